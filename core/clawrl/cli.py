@@ -1,0 +1,56 @@
+"""The ``clawrl`` command. Each subcommand lives in the module that owns its work; this file only
+parses arguments and turns expected failures into a one-line reason and exit status 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class CliError(Exception):
+    """An expected failure: printed as ``clawrl: <reason>`` and exit 2, no traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clawrl", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("model", help="build or inspect the embedded tiny chat model")
+    msub = m.add_subparsers(dest="model_cmd", required=True)
+    b = msub.add_parser("build", help="train the embedded tokenizer and model (cached)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--steps", type=int, default=None, help="training steps (default: the calibrated budget)")
+    b.add_argument("--out", default=None, help="output directory (default: the data directory cache)")
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+
+    c = sub.add_parser("chat", help="answer one message from the command line")
+    c.add_argument("message")
+    c.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. model.path=DIR")
+    c.add_argument("--max-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=0.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from clawrl.config import ConfigError
+    from clawrl.engines.loading import ModelLoadError
+
+    try:
+        if args.cmd == "model":
+            from clawrl.embedded.build import build_cli
+
+            return build_cli(args)
+        if args.cmd == "chat":
+            from clawrl.chat import chat_cli
+
+            return chat_cli(args)
+    except (CliError, ConfigError, ModelLoadError) as e:
+        print(f"clawrl: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

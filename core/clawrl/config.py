@@ -1,0 +1,157 @@
+"""Typed configuration, composed by Hydra from these dataclasses plus ``key=value`` overrides.
+
+The dataclasses are the documentation: each field says what it does where it is defined. The
+config is frozen after composition, and ``tests/test_config.py`` proves every field is read
+somewhere in core, so no flag is parsed and then ignored.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+
+class ConfigError(ValueError):
+    """A bad override or value; the message is one line meant for the user."""
+
+
+@dataclass
+class ModelConfig:
+    # HF model directory. None: the embedded tiny chat model, built on first use.
+    path: Optional[str] = None
+    # The model id clients send in "model"; None: the directory's name.
+    name: Optional[str] = None
+    # "auto": bf16 on CUDA, fp32 on CPU; or float32 | bfloat16 | float16.
+    dtype: str = "auto"
+    # "auto": cuda if available, else cpu.
+    device: str = "auto"
+
+
+@dataclass
+class EngineConfig:
+    # torch: the built-in engine. sglang: an SGLang runtime (optional dependency).
+    backend: str = "torch"
+    # Most requests decoded together in one step; more wait in the queue.
+    max_batch_size: int = 32
+    # Prompt tokens prefilled per step, so a long prompt does not stall others' decoding.
+    prefill_chunk_tokens: int = 2048
+    # KV of finished requests kept for prefix reuse, in tokens across all entries (LRU).
+    prefix_cache_tokens: int = 131072
+    # Context window; None: the model config's max_position_embeddings.
+    max_context: Optional[int] = None
+    # CPU threads for torch; None: leave torch's default.
+    threads: Optional[int] = None
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # Bearer key for /v1. Mandatory when host is not loopback.
+    api_key: Optional[str] = None
+    # Bearer key for /admin; defaults to api_key.
+    admin_key: Optional[str] = None
+    # Request bodies larger than this get 413.
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Requests waiting for the engine beyond this get 429 with Retry-After.
+    max_queue: int = 64
+    # Over-long prompts: False answers 400 context_length_exceeded; True keeps the system
+    # prompt and the latest turns that fit.
+    truncate_history: bool = False
+    # Default max tokens for a completion when the client sends none.
+    default_max_tokens: int = 512
+
+
+@dataclass
+class SessionsConfig:
+    # A session with no request for this long is closed; its last turn gets no next state.
+    idle_timeout_s: float = 1800.0
+
+
+@dataclass
+class ClawrlConfig:
+    # Personal-agent method or environment: rl | opd | combine (set by each method's run.sh).
+    method: str = "rl"
+    # Everything a run writes: the SQLite store, checkpoints, logs.
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
+
+
+def all_keys(cls=ClawrlConfig, prefix: str = "") -> list[str]:
+    """Dotted names of every leaf field, e.g. ``server.port``."""
+    out = []
+    for f in fields(cls):
+        default = f.default_factory() if f.default_factory is not field().default_factory else f.default
+        if is_dataclass(default):
+            out += all_keys(type(default), prefix + f.name + ".")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=3, cutoff=0.5)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None = None) -> ClawrlConfig:
+    """Build the config: dataclass defaults, then a method's ``config.yaml``, then overrides.
+
+    Unknown keys are refused with the closest valid names. Returns a plain dataclass instance.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    base = OmegaConf.structured(ClawrlConfig)
+    OmegaConf.set_struct(base, True)
+    layers = []
+    if yaml_path:
+        layers.append(OmegaConf.load(yaml_path))
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_overrides(list(overrides))
+    except Exception as e:  # hydra's own message is multi-line; keep the first line
+        raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    dotlist = []
+    for ov in parsed:
+        key = ov.key_or_group
+        if ov.is_delete() or ov.is_add():
+            raise ConfigError(f"override '{ov.input_line}': only key=value is supported")
+        if key not in all_keys():
+            raise ConfigError(f"unknown config key '{key}'{_suggest(key)}")
+        value = ov.value()
+        dotlist.append((key, value))
+    cfg = base
+    try:
+        for layer in layers:
+            for key in _leaf_keys(layer):
+                if key not in all_keys():
+                    raise ConfigError(f"unknown config key '{key}' in {yaml_path}{_suggest(key)}")
+            cfg = OmegaConf.merge(cfg, layer)
+        for key, value in dotlist:
+            OmegaConf.update(cfg, key, value, merge=False)
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    return obj
+
+
+def _leaf_keys(node, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in node.items():
+        if OmegaConf.is_dict(v):
+            out += _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def to_yaml(cfg: ClawrlConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

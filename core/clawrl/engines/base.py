@@ -1,0 +1,202 @@
+"""The Engine interface: what the gateway, judges and trainers may ask of an inference engine.
+
+Token-in, token-out. Prompts go in as token ids; out come the exact sampled ids, the logprob of
+each under the distribution it was sampled from, and the weight version that produced it. Nothing
+downstream ever re-tokenises text to train on, so these records are the training data.
+
+The interface is complete from the start (generate, stream, score, abort, pause/resume,
+flush_cache, update_weights, health, model_info) because every later stage builds on it: the
+gateway streams, OPD scores, the trainer swaps weights. Implementations: ``TorchEngine`` (built in,
+CPU or one GPU) and ``SGLangEngine`` (optional import).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Mapping, Sequence
+
+import torch
+
+
+class EngineError(RuntimeError):
+    """A request the engine cannot serve (bad ids, too long, engine stopped). Message is one line."""
+
+
+class ContextLengthExceeded(EngineError):
+    """Prompt plus requested tokens exceed the model's context window."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, max_context: int):
+        self.prompt_tokens, self.max_new_tokens, self.max_context = prompt_tokens, max_new_tokens, max_context
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens; the model's context is {max_context} tokens"
+        )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one response.
+
+    ``temperature == 0`` means greedy. Logprobs are always those of the distribution sampled from:
+    ``log_softmax(logits / temperature)`` (temperature 1 when greedy), before top-p/top-k
+    truncation, which is what a trainer recomputes from ``logits / temperature``.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k truncation
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded response text
+    stop_token_ids: tuple[int, ...] = ()  # extra stop ids beside the model's eos ids
+    seed: int | None = None  # a per-request generator: same seed, same prompt, same tokens
+    top_logprobs: int = 0  # alternatives to return per generated token
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.top_logprobs < 0 or self.top_logprobs > 20:
+            raise ValueError("top_logprobs must be between 0 and 20")
+
+
+@dataclass
+class TokenChunk:
+    """Tokens produced since the previous chunk of a stream.
+
+    The last chunk of every stream has ``finish_reason`` set ("stop", "length" or "abort") and may
+    carry no tokens. ``matched_stop`` is the stop string or stop id that ended it, if any.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    cached_prompt_tokens: int = 0  # set on the first chunk: prompt tokens served from the prefix cache
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: str
+    matched_stop: str | int | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class ScoreResult:
+    """Logprobs of given response ids under a prompt: one prefill, no sampling."""
+
+    logprobs: list[float]
+    weight_version: int
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: str
+    architecture: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: list[int]
+    weight_version: int
+    device: str
+    dtype: str
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """Async inference engine. All methods are safe to call from one asyncio event loop."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start background workers. Idempotent."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Abort in-flight requests and stop workers."""
+
+    @abc.abstractmethod
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[TokenChunk]:
+        """Yield chunks as tokens are sampled. Closing the iterator early aborts the request."""
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> GenerateResult:
+        """Run one request to completion."""
+        import uuid
+
+        rid = request_id or uuid.uuid4().hex
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        tops: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
+        finish, matched, cached = "abort", None, 0
+        async for chunk in self.stream(prompt_ids, params, request_id=rid):
+            ids += chunk.token_ids
+            lps += chunk.logprobs
+            vers += chunk.weight_versions
+            if tops is not None and chunk.top_logprobs:
+                tops += chunk.top_logprobs
+            cached = max(cached, chunk.cached_prompt_tokens)
+            if chunk.finish_reason is not None:
+                finish, matched = chunk.finish_reason, chunk.matched_stop
+        return GenerateResult(rid, list(prompt_ids), ids, lps, vers, finish, matched, tops, cached)
+
+    @abc.abstractmethod
+    async def score(
+        self,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        top_k: int = 0,
+        temperature: float = 1.0,
+    ) -> ScoreResult:
+        """Per-token logprobs of ``response_ids`` after ``prompt_ids`` (prefill only)."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request; its stream ends with finish_reason "abort". False if unknown."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop scheduling decode steps after the current one; requests wait, none fail."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Undo ``pause``."""
+
+    @abc.abstractmethod
+    async def flush_cache(self) -> None:
+        """Drop every prefix-cache entry."""
+
+    @abc.abstractmethod
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load ``state`` (HF parameter names, full or partial) and bump the weight version.
+
+        Applied atomically between decode steps: every token is produced wholly by one version,
+        and the version is recorded per token. Returns once the new weights serve. The prefix
+        cache is flushed, since its KV was computed under the old weights.
+        """
+
+    @abc.abstractmethod
+    async def health(self) -> dict:
+        """A small JSON-able dict: ok, running and waiting requests, weight version."""
+
+    @abc.abstractmethod
+    def model_info(self) -> ModelInfo:
+        ...
