@@ -27,6 +27,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. model.path=DIR")
     c.add_argument("--max-tokens", type=int, default=64)
     c.add_argument("--temperature", type=float, default=0.0)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible endpoint (and learn, per method)")
+    s.add_argument("overrides", nargs="*", help="key=value config overrides (Hydra syntax)")
+    s.add_argument("--config", default=None, help="a method's config.yaml to layer under the overrides")
+
+    se = sub.add_parser("sessions", help="list stored sessions and their turns")
+    se.add_argument("--run-dir", required=True)
+    se.add_argument("session_id", nargs="?", help="show one session's turns")
+
+    ex = sub.add_parser("export", help="write stored turns as JSONL")
+    ex.add_argument("--run-dir", required=True)
+    ex.add_argument("--out", default="-", help="output file (default: stdout)")
     return p
 
 
@@ -44,6 +56,18 @@ def main(argv: list[str] | None = None) -> int:
             from clawrl.chat import chat_cli
 
             return chat_cli(args)
+        if args.cmd == "serve":
+            from clawrl.orchestration.serve import serve_cli
+
+            return serve_cli(args)
+        if args.cmd == "sessions":
+            from clawrl.sessions_cli import sessions_cli
+
+            return sessions_cli(args)
+        if args.cmd == "export":
+            from clawrl.sessions_cli import export_cli
+
+            return export_cli(args)
     except (CliError, ConfigError, ModelLoadError) as e:
         print(f"clawrl: {e}", file=sys.stderr)
         return 2
