@@ -133,13 +133,18 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
                 if key not in all_keys():
                     raise ConfigError(f"unknown config key '{key}' in {yaml_path}{_suggest(key)}")
             cfg = OmegaConf.merge(cfg, layer)
-        for key, value in dotlist:
-            OmegaConf.update(cfg, key, value, merge=False)
         obj = OmegaConf.to_object(cfg)
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(f"{yaml_path}: {str(e).splitlines()[0]}") from None
+    cfg = OmegaConf.structured(obj)
+    for key, value in dotlist:
+        try:
+            OmegaConf.update(cfg, key, value, merge=False)
+        except Exception as e:
+            raise ConfigError(f"{key}={value}: {str(e).splitlines()[0]}") from None
+    obj = OmegaConf.to_object(cfg)
     return obj
 
 
