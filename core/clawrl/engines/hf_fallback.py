@@ -1,0 +1,43 @@
+"""The generic path for architectures without a ragged forward: HF's own forward, one sequence
+per step, each with its own HF cache object.
+
+Slower than the ragged path (no batching across requests) but correct for any causal LM
+transformers can run, so an unusual model still serves rather than being refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from clawrl.engines.ragged import Segment
+
+
+class HFSeqKV:
+    """A request's HF cache plus the number of positions it holds."""
+
+    def __init__(self, config):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=config)
+        self.length = 0
+
+
+class HFForward:
+    ragged = False  # one segment per step
+
+    def __init__(self, model):
+        self.model = model
+
+    def new_kv(self, capacity: int, max_tokens: int) -> HFSeqKV:
+        return HFSeqKV(self.model.config)
+
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        (seg,) = segments
+        dev = self.model.get_input_embeddings().weight.device
+        n = len(seg.ids)
+        ids = torch.tensor([seg.ids], dtype=torch.long, device=dev)
+        pos = torch.arange(seg.kv.length, seg.kv.length + n, device=dev)[None]
+        mask = torch.ones(1, seg.kv.length + n, dtype=torch.long, device=dev)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=seg.kv.cache, use_cache=True)
+        seg.kv.length += n
+        rows = torch.tensor(seg.logit_rows, dtype=torch.long, device=dev)
+        return out.logits[0, rows].float()

@@ -1,0 +1,181 @@
+"""A ragged forward pass for Llama-family decoders, reusing the HF module's own submodules.
+
+Continuous batching needs one forward over sequences of different lengths at different
+positions: some decode one token, some prefill a chunk of their prompt. HF's forward wants a
+rectangular padded batch and one cache object, so instead we walk the HF layers ourselves: the
+embedding, norms, projections, MLP, rotary embedding and lm_head are the HF modules (so weight
+updates and rope scaling carry over for free); only attention is ours, run per sequence against
+that sequence's own KV buffers, while every matmul runs once over all tokens of the step.
+
+Covers Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q_norm/k_norm) without sliding windows;
+``unsupported_reason`` says why anything else must take the generic HF path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+RAGGED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class SeqKV:
+    """One sequence's KV cache: per layer a K and a V buffer ``[kv_heads, capacity, head_dim]``.
+
+    ``length`` positions are filled. Buffers grow by doubling (bounded by ``max_tokens``), so a
+    request pays for what it uses rather than for the whole context window up front.
+    """
+
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, device,
+                 capacity: int, max_tokens: int):
+        self.max_tokens = max_tokens
+        cap = max(1, min(capacity, max_tokens))
+        self.layers = [
+            (torch.empty(kv_heads, cap, head_dim, dtype=dtype, device=device),
+             torch.empty(kv_heads, cap, head_dim, dtype=dtype, device=device))
+            for _ in range(n_layers)
+        ]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0][0].shape[1]
+
+    def ensure(self, needed: int) -> None:
+        cap = self.capacity
+        if needed <= cap:
+            return
+        new_cap = max(needed, min(2 * cap, self.max_tokens))
+        grown = []
+        for k, v in self.layers:
+            nk = k.new_empty(k.shape[0], new_cap, k.shape[2])
+            nv = v.new_empty(v.shape[0], new_cap, v.shape[2])
+            nk[:, : self.length] = k[:, : self.length]
+            nv[:, : self.length] = v[:, : self.length]
+            grown.append((nk, nv))
+        self.layers = grown
+
+    def copy_prefix_from(self, other: "SeqKV", n: int) -> None:
+        """Start this (empty) sequence with the first ``n`` positions of ``other``."""
+        self.ensure(n)
+        for (k, v), (ok, ov) in zip(self.layers, other.layers):
+            k[:, :n] = ok[:, :n]
+            v[:, :n] = ov[:, :n]
+        self.length = n
+
+
+@dataclass
+class Segment:
+    """Tokens of one sequence in one step: ``ids`` go at positions ``kv.length ...``.
+
+    ``logit_rows`` are indices into ``ids`` whose next-token logits the caller needs.
+    """
+
+    kv: object
+    ids: list[int]
+    logit_rows: list[int] = field(default_factory=list)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model`` cannot use the ragged path, or None if it can."""
+    cfg = model.config
+    if cfg.model_type not in RAGGED_MODEL_TYPES:
+        return f"model_type '{cfg.model_type}' has no ragged forward"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window attention layers"
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    inner = getattr(model, "model", None)
+    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, attr):
+            return f"the model has no model.{attr}"
+    attn = inner.layers[0].self_attn
+    for attr in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"):
+        if not hasattr(attn, attr):
+            return f"attention has no {attr}"
+    return None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RaggedForward:
+    """Runs ``Segment`` lists through an HF Llama-family model; see the module docstring."""
+
+    ragged = True  # many segments per step
+
+    def __init__(self, model):
+        self.model = model
+        cfg = model.config
+        self.inner = model.model
+        self.n_layers = cfg.num_hidden_layers
+        attn = self.inner.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.scaling = attn.scaling
+
+    def new_kv(self, capacity: int, max_tokens: int) -> SeqKV:
+        p = self.inner.embed_tokens.weight
+        return SeqKV(self.n_layers, self.kv_heads, self.head_dim, p.dtype, p.device, capacity, max_tokens)
+
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """Fp32 logits ``[sum(len(logit_rows)), vocab]`` in segment order; fills each KV."""
+        dev = self.inner.embed_tokens.weight.device
+        lens = [len(s.ids) for s in segments]
+        starts = [s.kv.length for s in segments]
+        for s, n in zip(segments, lens):
+            s.kv.ensure(s.kv.length + n)
+        ids = torch.tensor([t for s in segments for t in s.ids], dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x[None], pos[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        total = ids.shape[0]
+        masks = [self._mask(st, n, dev) for st, n in zip(starts, lens)]
+        for li, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(total, self.n_heads, self.head_dim)
+            k = attn.k_proj(h).view(total, self.kv_heads, self.head_dim)
+            v = attn.v_proj(h).view(total, self.kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            outs = []
+            off = 0
+            for seg, st, n, mask in zip(segments, starts, lens, masks):
+                kb, vb = seg.kv.layers[li]
+                kb[:, st: st + n] = k[off: off + n].transpose(0, 1)
+                vb[:, st: st + n] = v[off: off + n].transpose(0, 1)
+                o = F.scaled_dot_product_attention(
+                    q[off: off + n].transpose(0, 1)[None], kb[None, :, : st + n], vb[None, :, : st + n],
+                    attn_mask=mask, is_causal=(mask is None and n > 1), scale=self.scaling,
+                    enable_gqa=self.kv_heads != self.n_heads,
+                )
+                outs.append(o[0].transpose(0, 1).reshape(n, self.n_heads * self.head_dim))
+                off += n
+            x = x + attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for s, n in zip(segments, lens):
+            s.kv.length += n
+        rows, off = [], 0
+        for s, n in zip(segments, lens):
+            rows += [off + r for r in s.logit_rows]
+            off += n
+        if not rows:
+            return x.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
+        hidden = self.inner.norm(x[torch.tensor(rows, device=dev)])
+        return self.model.lm_head(hidden).float()
+
+    @staticmethod
+    def _mask(start: int, n: int, dev) -> torch.Tensor | None:
+        """Causal mask for a chunk at offset ``start``; None when SDPA's own flags suffice."""
+        if n == 1 or start == 0:
+            return None  # one query sees everything; a chunk from 0 is plain causal
+        return torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)

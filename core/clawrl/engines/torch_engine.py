@@ -1,0 +1,496 @@
+"""The built-in engine: continuous batching with per-sequence KV caches, on CPU or one GPU.
+
+One scheduler thread owns the model. The asyncio side only validates requests, puts commands on
+a thread-safe queue and reads chunks that the thread hands back through
+``loop.call_soon_threadsafe``, so the event loop never runs model code and stays responsive
+while the model works.
+
+Each scheduler step runs one ragged forward over every running request: a decoding request
+contributes its last sampled token; prefilling requests share a budget of
+``prefill_chunk_tokens`` prompt tokens, so a 16k-token prompt is fed over several steps while
+everybody else keeps decoding. New requests join between steps, finished ones leave. Weight
+updates, aborts, pause and cache flushes are commands applied between steps, which is what makes
+a weight swap atomic per token.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Mapping, Sequence
+
+import torch
+
+from clawrl.config import EngineConfig
+from clawrl.engines.base import (
+    ContextLengthExceeded, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk,
+)
+from clawrl.engines.hf_fallback import HFForward
+from clawrl.engines.loading import LoadedModel
+from clawrl.engines.prefix_cache import PrefixCache
+from clawrl.engines.ragged import RaggedForward, Segment, unsupported_reason
+from clawrl.engines.sampling import StopStringMatcher, sample_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Request:
+    """A generate or score request as the scheduler thread sees it."""
+
+    rid: str
+    feed: list[int]  # tokens to prefill: the prompt (generate) or prompt + response[:-1] (score)
+    first_logit: int  # position whose next-token logits are first needed (len(prompt) - 1)
+    loop: asyncio.AbstractEventLoop
+    params: SamplingParams | None = None  # generate only
+    target: list[int] | None = None  # score only: the response ids
+    score_top_k: int = 0
+    score_temperature: float = 1.0
+    chunks: asyncio.Queue | None = None  # generate: where TokenChunks (or an exception) go
+    future: asyncio.Future | None = None  # score: resolved with a ScoreResult
+    generator: torch.Generator | None = None
+    stop_matcher: StopStringMatcher | None = None
+    kv: object = None
+    cached: int = 0  # prompt tokens taken from the prefix cache
+    out_ids: list[int] = field(default_factory=list)
+    score_lps: list[float] = field(default_factory=list)
+    score_top_ids: list[list[int]] = field(default_factory=list)
+    score_top_lps: list[list[float]] = field(default_factory=list)
+    score_version: int = -1
+    done: bool = False
+
+    @property
+    def is_score(self) -> bool:
+        return self.target is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv.length < len(self.feed)
+
+
+class TorchEngine(Engine):
+    """See the module docstring. ``model`` and ``tokenizer`` are the HF objects being served."""
+
+    def __init__(self, loaded: LoadedModel, engine_cfg: EngineConfig):
+        if engine_cfg.threads:
+            torch.set_num_threads(engine_cfg.threads)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.cfg = engine_cfg
+        self.max_context = engine_cfg.max_context or loaded.max_context
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.eos_ids = frozenset(loaded.eos_token_ids)
+        reason = unsupported_reason(self.model)
+        if reason is None:
+            self.runner = RaggedForward(self.model)
+        else:
+            log.warning("%s: %s; using the generic HF forward (one request per step, no prefix cache)",
+                        loaded.architecture, reason)
+            self.runner = HFForward(self.model)
+        self.prefix_cache = PrefixCache(engine_cfg.prefix_cache_tokens if self.runner.ragged else 0)
+        self.weight_version = 0
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._live: dict[str, _Request] = {}  # event-loop side: requests whose stream is open
+        self._paused = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ---------------------------------------------------------------- asyncio side
+
+    async def start(self) -> None:
+        self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        if self._stopping:
+            raise EngineError("the engine is shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="clawrl-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is None or self._stopping:
+            self._stopping = True
+            return
+        self._stopping = True
+        self._cmds.put(("stop", None))
+        await asyncio.to_thread(self._thread.join)
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
+               request_id: str | None = None) -> AsyncIterator[TokenChunk]:
+        """Validate now (so a too-long prompt raises before any work), then stream chunks."""
+        prompt = self._check_ids(prompt_ids, "prompt_ids")
+        if not prompt:
+            raise EngineError("prompt_ids is empty")
+        if len(prompt) + params.max_new_tokens > self.max_context:
+            raise ContextLengthExceeded(len(prompt), params.max_new_tokens, self.max_context)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._live:
+            raise EngineError(f"request id '{rid}' is already running")
+        self._ensure_thread()
+        loop = asyncio.get_running_loop()
+        gen = torch.Generator(device=self.loaded.device)
+        if params.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(params.seed)
+        req = _Request(rid, prompt, len(prompt) - 1, loop, params=params, chunks=asyncio.Queue(),
+                       generator=gen,
+                       stop_matcher=StopStringMatcher(self.tokenizer, params.stop) if params.stop else None)
+        self._live[rid] = req
+        self._cmds.put(("add", req))
+        return self._consume(req)
+
+    async def _consume(self, req: _Request) -> AsyncIterator[TokenChunk]:
+        finished = False
+        try:
+            while not finished:
+                items = [await req.chunks.get()]
+                while not req.chunks.empty():
+                    items.append(req.chunks.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                chunk = _merge(items)
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            self._live.pop(req.rid, None)
+            if not finished:
+                self._cmds.put(("abort", req.rid))
+
+    async def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int = 0,
+                    temperature: float = 1.0) -> ScoreResult:
+        prompt = self._check_ids(prompt_ids, "prompt_ids")
+        response = self._check_ids(response_ids, "response_ids")
+        if not prompt:
+            raise EngineError("prompt_ids is empty")
+        if temperature <= 0:
+            raise EngineError("temperature must be > 0 for scoring")
+        if top_k < 0 or top_k > self.vocab_size:
+            raise EngineError(f"top_k must be between 0 and {self.vocab_size}")
+        if len(prompt) + len(response) > self.max_context:
+            raise ContextLengthExceeded(len(prompt), len(response), self.max_context)
+        if not response:
+            return ScoreResult([], self.weight_version, [] if top_k else None, [] if top_k else None)
+        self._ensure_thread()
+        loop = asyncio.get_running_loop()
+        req = _Request(uuid.uuid4().hex, prompt + response[:-1], len(prompt) - 1, loop, target=response,
+                       score_top_k=top_k, score_temperature=temperature, future=loop.create_future())
+        self._cmds.put(("add", req))
+        return await req.future
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id not in self._live:
+            return False
+        self._cmds.put(("abort", request_id))
+        return True
+
+    async def pause(self) -> None:
+        await self._call("pause")
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def flush_cache(self) -> None:
+        await self._call("flush")
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        await self._call("update", (dict(state), int(version)))
+
+    async def health(self) -> dict:
+        alive = self._thread is not None and self._thread.is_alive() and not self._stopping
+        return {
+            "ok": alive or (self._thread is None and not self._stopping),
+            "backend": "torch",
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "paused": self._paused,
+            "weight_version": self.weight_version,
+            "prefix_cache_tokens": self.prefix_cache.tokens,
+        }
+
+    def model_info(self) -> ModelInfo:
+        lm = self.loaded
+        return ModelInfo(
+            name=lm.name, path=lm.path, architecture=lm.architecture, vocab_size=self.vocab_size,
+            max_context=self.max_context, eos_token_ids=sorted(self.eos_ids), weight_version=self.weight_version,
+            device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."),
+            extra={"ragged": self.runner.ragged, "max_batch_size": self.cfg.max_batch_size,
+                   "prefill_chunk_tokens": self.cfg.prefill_chunk_tokens},
+        )
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        try:
+            out = [int(i) for i in ids]
+        except (TypeError, ValueError):
+            raise EngineError(f"{what} must be a list of integers") from None
+        bad = next((i for i in out if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise EngineError(f"{what} contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return out
+
+    async def _call(self, kind: str, payload=None):
+        """Run a command on the scheduler thread and wait for it to be applied."""
+        self._ensure_thread()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._cmds.put((kind, (payload, loop, fut)))
+        return await fut
+
+    # ---------------------------------------------------------------- scheduler thread
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                busy = bool(self._running or self._waiting) and not self._paused
+                try:  # idle: block until a command arrives; busy: just drain what is there
+                    cmd = self._cmds.get_nowait() if busy else self._cmds.get()
+                    while True:
+                        if self._apply(cmd):
+                            return
+                        cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    pass
+                if self._paused:
+                    continue
+                self._admit()
+                if self._running:
+                    self._step()
+
+    def _apply(self, cmd) -> bool:
+        """Apply one command; True means stop the thread."""
+        kind, arg = cmd
+        if kind == "add":
+            self._waiting.append(arg)
+        elif kind == "abort":
+            for req in [r for r in (*self._running, *self._waiting) if r.rid == arg]:
+                self._finish(req, "abort")
+        elif kind == "stop":
+            for req in [*self._running, *self._waiting]:
+                if req.is_score:
+                    self._fail(req, EngineError("the engine shut down"))
+                else:
+                    self._finish(req, "abort")
+            return True
+        else:
+            payload, loop, fut = arg
+            try:
+                result = self._control(kind, payload)
+            except Exception as e:  # reported to the caller, never kills the thread
+                _deliver(loop, _set_exception, fut, e)
+            else:
+                _deliver(loop, _set_result, fut, result)
+        return False
+
+    def _control(self, kind: str, payload):
+        if kind == "pause":
+            self._paused = True
+        elif kind == "resume":
+            self._paused = False
+        elif kind == "flush":
+            self.prefix_cache.flush()
+        elif kind == "update":
+            self._update_weights(*payload)
+        else:
+            raise EngineError(f"unknown engine command {kind}")
+
+    def _update_weights(self, state: dict, version: int) -> None:
+        targets = self.model.state_dict(keep_vars=True)
+        for name, value in state.items():
+            if name not in targets:
+                raise EngineError(f"update_weights: unknown parameter '{name}'")
+            if tuple(value.shape) != tuple(targets[name].shape):
+                raise EngineError(f"update_weights: '{name}' has shape {tuple(value.shape)}, "
+                                  f"expected {tuple(targets[name].shape)}")
+        with torch.no_grad():
+            for name, value in state.items():
+                targets[name].copy_(value.to(device=targets[name].device, dtype=targets[name].dtype))
+        self.weight_version = version
+        self.prefix_cache.flush()
+        for req in self._running:
+            if req.is_score and req.kv is not None and req.kv.length:
+                req.kv, req.cached = None, 0  # a score is one version throughout: start it again
+                req.score_lps.clear(), req.score_top_ids.clear(), req.score_top_lps.clear()
+                self._prepare(req)
+        log.info("weights updated to version %d (%d tensors)", version, len(state))
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.cfg.max_batch_size:
+            req = self._waiting.popleft()
+            try:
+                self._prepare(req)
+            except Exception as e:  # e.g. out of memory for its KV: this request fails, not the engine
+                log.exception("cannot admit request %s", req.rid)
+                self._fail(req, EngineError(f"cannot allocate the request: {type(e).__name__}: {str(e)[:200]}"))
+                continue
+            self._running.append(req)
+
+    def _prepare(self, req: _Request) -> None:
+        """Give ``req`` a KV cache, starting from the longest cached prefix of its tokens."""
+        total = len(req.feed) + (req.params.max_new_tokens if req.params else 0)
+        req.kv = self.runner.new_kv(max(64, len(req.feed)), max(total, 1))
+        entry, n = self.prefix_cache.lookup(req.feed, req.first_logit)
+        if entry is not None and n:
+            req.kv.copy_prefix_from(entry, n)
+            req.cached = n
+        req.score_version = self.weight_version
+
+    def _step(self) -> None:
+        segments, owners = self._plan()
+        try:
+            logits = self.runner.forward(segments)
+        except Exception as e:  # keep serving others; these requests get a one-line error
+            log.exception("engine step failed")
+            for req in owners:
+                self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
+            return
+        self.steps += 1
+        version = self.weight_version
+        sample_reqs, sample_rows_idx, row = [], [], 0
+        for seg, req in zip(segments, owners):
+            n = len(seg.logit_rows)
+            if req.is_score:
+                self._score_rows(req, seg, logits[row: row + n])
+            elif n:
+                sample_reqs.append(req)
+                sample_rows_idx.append(row)
+            row += n
+        if sample_reqs:
+            picked = logits[torch.tensor(sample_rows_idx, device=logits.device)]
+            draws = sample_rows(picked, [r.params for r in sample_reqs], [r.generator for r in sample_reqs])
+            for req, d in zip(sample_reqs, draws):
+                self._emit_token(req, d, version)
+        for req in owners:
+            if req.is_score and not req.prefilling and not req.done:
+                self._finish_score(req)
+            elif not req.done and req.kv.length == len(req.feed):
+                self.prefix_cache.insert(req.feed, req.kv)  # others with this prompt may reuse it now
+
+    def _plan(self) -> tuple[list[Segment], list[_Request]]:
+        segments, owners = [], []
+        candidates = self._running if self.runner.ragged else [self._running[self.steps % len(self._running)]]
+        for req in candidates:
+            if not req.prefilling:
+                segments.append(Segment(req.kv, [req.out_ids[-1]], [0]))
+                owners.append(req)
+        budget = self.cfg.prefill_chunk_tokens
+        for req in candidates:
+            if budget <= 0 or (segments and not self.runner.ragged):
+                break
+            if not req.prefilling:
+                continue
+            start = req.kv.length
+            n = min(budget, len(req.feed) - start)
+            budget -= n
+            ids = req.feed[start: start + n]
+            if req.is_score:
+                rows = [i for i in range(n) if start + i >= req.first_logit]
+            else:
+                rows = [n - 1] if start + n == len(req.feed) else []
+            segments.append(Segment(req.kv, ids, rows))
+            owners.append(req)
+        return segments, owners
+
+    def _score_rows(self, req: _Request, seg: Segment, logits: torch.Tensor) -> None:
+        if not len(seg.logit_rows):
+            return
+        start = req.kv.length - len(seg.ids)
+        positions = [start + r for r in seg.logit_rows]
+        targets = torch.tensor([req.target[p - req.first_logit] for p in positions], device=logits.device)
+        lp = torch.log_softmax(logits / req.score_temperature, dim=-1)
+        req.score_lps += lp.gather(1, targets[:, None])[:, 0].tolist()
+        if req.score_top_k:
+            v, i = lp.topk(req.score_top_k, dim=-1)
+            req.score_top_ids += i.tolist()
+            req.score_top_lps += v.tolist()
+
+    def _finish_score(self, req: _Request) -> None:
+        req.done = True
+        self._running.remove(req)
+        self.prefix_cache.insert(req.feed, req.kv)
+        k = req.score_top_k
+        res = ScoreResult(req.score_lps, req.score_version, req.score_top_ids if k else None,
+                          req.score_top_lps if k else None)
+        _deliver(req.loop, _set_result, req.future, res)
+
+    def _emit_token(self, req: _Request, d, version: int) -> None:
+        p = req.params
+        req.out_ids.append(d.token)
+        finish, matched = None, None
+        if d.token in p.stop_token_ids or (d.token in self.eos_ids and not p.ignore_eos):
+            finish, matched = "stop", d.token
+        elif req.stop_matcher is not None and (hit := req.stop_matcher.feed(d.token)) is not None:
+            finish, matched = "stop", hit
+        elif len(req.out_ids) >= p.max_new_tokens:
+            finish = "length"
+        chunk = TokenChunk([d.token], [d.logprob], [version], [d.top] if d.top is not None else None,
+                           finish, matched, req.cached if len(req.out_ids) == 1 else 0)
+        if finish is not None:
+            self._retire(req)
+        _deliver(req.loop, _put, req.chunks, chunk)
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        """End a generate request without a new token (abort)."""
+        self._retire(req)
+        _deliver(req.loop, _put, req.chunks, TokenChunk([], [], [], None, reason, None,
+                                                         req.cached if not req.out_ids else 0))
+
+    def _fail(self, req: _Request, err: Exception) -> None:
+        self._retire(req)
+        if req.is_score:
+            _deliver(req.loop, _set_exception, req.future, err)
+        else:
+            _deliver(req.loop, _put, req.chunks, err)
+
+    def _retire(self, req: _Request) -> None:
+        req.done = True
+        if req in self._running:
+            self._running.remove(req)
+            if req.kv is not None and req.kv.length:
+                tokens = req.feed + req.out_ids
+                self.prefix_cache.insert(tokens, req.kv)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+
+
+def _merge(chunks: list[TokenChunk]) -> TokenChunk:
+    if len(chunks) == 1:
+        return chunks[0]
+    out = TokenChunk([], [], [], None, None, None, chunks[0].cached_prompt_tokens)
+    for c in chunks:
+        out.token_ids += c.token_ids
+        out.logprobs += c.logprobs
+        out.weight_versions += c.weight_versions
+        if c.top_logprobs is not None:
+            out.top_logprobs = (out.top_logprobs or []) + c.top_logprobs
+        out.finish_reason, out.matched_stop = c.finish_reason, c.matched_stop
+    return out
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, fn, target, value) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, target, value)
+    except RuntimeError:  # the caller's loop is closed; nobody is listening
+        pass
+
+
+def _put(q: asyncio.Queue, item) -> None:
+    q.put_nowait(item)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
