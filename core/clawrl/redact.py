@@ -1,0 +1,99 @@
+"""Remove secrets from text before it is stored.
+
+Users paste keys into chats and agents read ``.env`` files, so conversation text routinely holds
+credentials. The turn store is kept for as long as a run lives and is exported for training, so
+nothing that looks like a credential may reach it: every string the store persists (messages,
+tools, response text, tool calls, parse errors, next states) passes through :func:`redact_json`.
+
+Each match is replaced by ``[REDACTED:<kind>]``; the kinds found are returned so the caller can
+tell that a turn held a secret (the store then marks it untrainable, see ``clawrl.store``). The
+patterns favour recall on well-known key formats and stay narrow on free-form assignments
+(``password=...``), where code like ``password=getpass()`` or ``api_key=None`` must not count,
+because a false positive costs a trainable turn.
+
+Kinds: ``private_key`` (PEM), ``bearer``, ``anthropic_key`` (sk-ant-...), ``openai_key`` (sk-...),
+``github_token`` (ghp_/gho_/ghu_/ghs_/ghr_/github_pat_), ``aws_access_key`` (AKIA/ASIA...),
+``slack_token`` (xoxb-/xoxp-/...), ``google_api_key`` (AIza...), ``hf_token`` (hf_...),
+``assignment`` (``api_key=...``, ``password: ...``, ``"secret": "..."``).
+"""
+from __future__ import annotations
+
+import re
+
+_PLACEHOLDER = "[REDACTED:{}]"
+
+# Order matters: the PEM block first (it may contain anything), sk-ant- before sk-.
+_TOKEN_PATTERNS: list[tuple[str, re.Pattern]] = [
+    (
+        "private_key",
+        re.compile(
+            r"-----BEGIN [A-Z ]*PRIVATE KEY-----(?:.*?-----END [A-Z ]*PRIVATE KEY-----|.*\Z)", re.S
+        ),
+    ),
+    # A bearer credential has a digit or punctuation in it; "Bearer authentication" is prose.
+    ("bearer", re.compile(r"(?<=\bBearer )\s*(?=[\w.~+/=-]*[\d._~+/-])[\w.~+/=-]{8,}", re.I)),
+    ("anthropic_key", re.compile(r"\bsk-ant-[\w-]{16,}")),
+    ("openai_key", re.compile(r"\bsk-[\w-]{16,}")),
+    ("github_token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,})")),
+    ("aws_access_key", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("slack_token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
+    ("google_api_key", re.compile(r"\bAIza[\w-]{35}")),
+    ("hf_token", re.compile(r"\bhf_[A-Za-z0-9]{30,}")),
+]
+
+_SECRET_NAMES = (
+    r"api[_-]?key|apikey|api[_-]?secret|secret[_-]?key|client[_-]?secret|secret|access[_-]?token"
+    r"|auth[_-]?token|refresh[_-]?token|private[_-]?key|password|passwd|passphrase"
+)
+# name, optional closing quote, ':' or '=', then a quoted value or a bare word. A bare word followed
+# by '(' or '.' is code (a call or an attribute), not a literal secret.
+_ASSIGNMENT = re.compile(
+    r"""(?P<head>\b(?:%s)\b["']?\s*[:=]\s*)"""
+    r"""(?:(?P<q>["'])(?P<qval>[^"'\n]{4,})(?P=q)|(?P<val>[^\s"',;(){}\[\]<>]{4,})(?![\w.(\[]))""" % _SECRET_NAMES,
+    re.I,
+)
+# Values that are clearly not secrets: placeholders, env references, null-ish literals, dotted names.
+_NOT_A_SECRET = re.compile(
+    r"^(?:none|null|nil|true|false|undefined|\*+|x+|\.\.\.|your[_-].*|<.*>|\$\{?\w+\}?"
+    r"|\[REDACTED(?::\w+)?\]|os\.environ.*|process\.env.*|env\(.*"
+    r"|(?!eyJ)[a-z_]\w*(?:\.[a-z_]\w*)+)$",  # a dotted name is code: settings.api_key
+    re.I,
+)
+
+
+def _replace_assignment(m: re.Match, found: set[str]) -> str:
+    value = m.group("qval") if m.group("qval") is not None else m.group("val")
+    if _NOT_A_SECRET.match(value):
+        return m.group(0)
+    found.add("assignment")
+    q = m.group("q") or ""
+    return f"{m.group('head')}{q}{_PLACEHOLDER.format('assignment')}{q}"
+
+
+def redact_text(text: str) -> tuple[str, set[str]]:
+    """Return ``text`` with secrets replaced, and the set of secret kinds that were found."""
+    found: set[str] = set()
+    for kind, pattern in _TOKEN_PATTERNS:
+        text, n = pattern.subn(_PLACEHOLDER.format(kind), text)
+        if n:
+            found.add(kind)
+    text = _ASSIGNMENT.sub(lambda m: _replace_assignment(m, found), text)
+    return text, found
+
+
+def redact_json(value):
+    """Redact every string inside a JSON-like value (dict keys included). Returns (value, kinds)."""
+    found: set[str] = set()
+
+    def walk(v):
+        if isinstance(v, str):
+            out, kinds = redact_text(v)
+            found.update(kinds)
+            return out
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, dict):
+            return {walk(k): walk(x) for k, x in v.items()}
+        return v
+
+    return walk(value), found

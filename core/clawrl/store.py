@@ -1,0 +1,596 @@
+"""The durable turn store: every turn clawrl serves, with its exact tokens, in one SQLite file.
+
+Why SQLite: a turn must be on disk before its last response byte is sent, from several threads,
+and be readable by the CLI while the server runs. WAL mode lets readers run beside the writer;
+``synchronous=FULL`` fsyncs every commit, so a turn acknowledged by :meth:`TurnStore.record_turn`
+survives ``kill -9`` and power loss. The file is ``run_dir/clawrl.sqlite``.
+
+Threads: each thread gets its own connection; writes are serialised by one lock per store (and by
+SQLite's own lock across processes). Only one server process should write a run directory.
+
+What a turn holds (table ``turns``): the request messages (normalised JSON, see
+``clawrl.sessions``), tools, prompt/response token ids, per-token logprobs and weight versions
+(packed little-endian arrays: int32 ids, float64 logprobs, int64 versions), response text, tool
+calls and any tool-call parse error, finish reason, status (``complete`` | ``aborted`` |
+``error``), type (``main`` | ``side``) and the rule that decided it, trainable flag and reason, next
+state and close reason, session, branch, parent turn, turn index, caller hash, timestamps
+(created, completed, next_state_at) and the link keys (``request_key``, ``reply_key``) that make up
+the persisted session-link index.
+
+Secrets: every stored string passes through ``clawrl.redact``. A turn whose prompt or response held
+a secret is stored with ``trainable=0, reason='secret_redacted'`` and *without* its token arrays
+(only their lengths): the ids decode back to the secret, and redacting them is impossible without
+re-tokenising, which would break token-in/token-out; an untrainable turn needs no tokens anyway.
+
+Close reasons: ``next_state`` (the session's next request supplied it), ``session_done``
+(``X-Session-Done: 1``), ``idle_timeout`` (no request for ``sessions.idle_timeout_s``), ``aborted``
+or ``error`` (a turn whose reply the client never got can have no next state).
+
+Untrainable reasons: ``aborted``, ``error``, ``secret_redacted``, ``empty_response``,
+``excluded_by_admin``.
+
+Admin functions (the gateway wraps them in HTTP): :meth:`TurnStore.status_counts`,
+:meth:`TurnStore.list_sessions`, :meth:`TurnStore.get_session`, :meth:`TurnStore.relabel_turn`;
+:meth:`TurnStore.iter_turns` feeds ``clawrl export``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import sqlite3
+import sys
+import threading
+import time
+from array import array
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from clawrl.redact import redact_json
+
+log = logging.getLogger(__name__)
+
+STORE_FILENAME = "clawrl.sqlite"
+TURN_STATUSES = ("complete", "aborted", "error")
+TURN_TYPES = ("main", "side")
+RELABELS = ("main", "side", "excluded")
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or used; the message is one line."""
+
+
+class UnknownTurn(KeyError):
+    """No turn has this id."""
+
+    def __str__(self) -> str:
+        return f"no turn with id {self.args[0]}"
+
+
+_SCHEMA_V1 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE sessions (
+    session_id   TEXT PRIMARY KEY,
+    caller_hash  TEXT NOT NULL,
+    user         TEXT,
+    source       TEXT NOT NULL,          -- header | inferred
+    created_at   REAL NOT NULL,
+    last_seen_at REAL NOT NULL
+);
+CREATE TABLE branches (
+    session_id      TEXT NOT NULL REFERENCES sessions(session_id),
+    branch_id       INTEGER NOT NULL,
+    parent_turn_id  INTEGER,             -- the turn this branch continues from (NULL: the session start)
+    sibling_turn_id INTEGER,             -- the turn this branch is an alternative to
+    created_at      REAL NOT NULL,
+    PRIMARY KEY (session_id, branch_id)
+);
+CREATE TABLE turns (
+    turn_id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    session_id       TEXT NOT NULL REFERENCES sessions(session_id),
+    branch_id        INTEGER NOT NULL,
+    parent_turn_id   INTEGER,
+    turn_index       INTEGER NOT NULL,
+    caller_hash      TEXT NOT NULL,
+    link_rule        TEXT NOT NULL,
+    turn_type        TEXT NOT NULL CHECK (turn_type IN ('main', 'side')),
+    type_rule        TEXT NOT NULL,
+    status           TEXT NOT NULL CHECK (status IN ('complete', 'aborted', 'error')),
+    trainable        INTEGER NOT NULL,
+    untrainable_reason TEXT,
+    messages         TEXT NOT NULL,
+    history_len      INTEGER NOT NULL,
+    tools            TEXT,
+    prompt_ids       BLOB,
+    response_ids     BLOB,
+    logprobs         BLOB,
+    weight_versions  BLOB,
+    prompt_tokens    INTEGER NOT NULL,
+    response_tokens  INTEGER NOT NULL,
+    response_text    TEXT NOT NULL,
+    tool_calls       TEXT,
+    tool_parse_error TEXT,
+    finish_reason    TEXT,
+    next_state       TEXT,
+    close_reason     TEXT,
+    created_at       REAL NOT NULL,
+    completed_at     REAL NOT NULL,
+    next_state_at    REAL,
+    request_key      TEXT NOT NULL,
+    reply_key        TEXT
+);
+CREATE INDEX turns_by_session ON turns (session_id, turn_id);
+CREATE INDEX turns_by_request_key ON turns (request_key);
+CREATE INDEX turns_by_reply_key ON turns (reply_key) WHERE reply_key IS NOT NULL;
+CREATE INDEX open_turns ON turns (session_id) WHERE close_reason IS NULL;
+CREATE TABLE corrections (
+    correction_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    turn_id       INTEGER NOT NULL REFERENCES turns(turn_id),
+    old_label     TEXT NOT NULL,
+    new_label     TEXT NOT NULL,
+    actor         TEXT NOT NULL,
+    at            REAL NOT NULL
+);
+"""
+# Index i upgrades a store at schema version i to version i + 1.
+_MIGRATIONS = [_SCHEMA_V1]
+
+
+# --- packed token arrays -------------------------------------------------------------------------
+
+
+def pack(values: Sequence, typecode: str) -> bytes:
+    """Little-endian packed array: 'i' int32 ids, 'q' int64 versions, 'd' float64 logprobs."""
+    a = array(typecode, values)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack(blob: Optional[bytes], typecode: str) -> Optional[list]:
+    if blob is None:
+        return None
+    a = array(typecode)
+    a.frombytes(blob)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _loads(text: Optional[str]):
+    return None if text is None else json.loads(text)
+
+
+# --- records -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TurnRef:
+    """What linking needs to know about a stored turn."""
+
+    turn_id: int
+    session_id: str
+    branch_id: int
+    parent_turn_id: Optional[int]
+    turn_index: int
+    status: str
+    close_reason: Optional[str]
+    next_state: Optional[list]
+
+
+@dataclass
+class TurnRecord:
+    """One served turn, as handed to :meth:`TurnStore.record_turn` (unredacted; the store redacts)."""
+
+    session_id: str
+    branch_id: int
+    parent_turn_id: Optional[int]
+    turn_index: int
+    caller_hash: str
+    link_rule: str
+    turn_type: str
+    type_rule: str
+    messages: list  # normalised request messages, trailer included (what the prompt was built from)
+    history_len: int  # how many of them the client keeps in history (the rest is a set-aside trailer)
+    tools: Optional[list]
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    logprobs: Sequence[float]
+    weight_versions: Sequence[int]
+    response_text: str
+    tool_calls: Optional[list]
+    tool_parse_error: Optional[str]
+    finish_reason: Optional[str]
+    status: str
+    request_key: str
+    reply_key: Optional[str]
+    created_at: float
+    completed_at: float = field(default_factory=time.time)
+    session_done: bool = False  # X-Session-Done: close this turn and the session's other open turns
+
+
+_TURN_REF_COLUMNS = (
+    "turn_id, session_id, branch_id, parent_turn_id, turn_index, status, close_reason, next_state"
+)
+
+
+def _turn_ref(row) -> TurnRef:
+    return TurnRef(*row[:7], _loads(row[7]))
+
+
+class TurnStore:
+    """Opens (or creates) ``run_dir/clawrl.sqlite`` and migrates it to the current schema."""
+
+    def __init__(self, run_dir: str | os.PathLike, create: bool = True):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / STORE_FILENAME
+        if not create and not self.path.is_file():
+            raise StoreError(f"no turn store at {self.path}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._write_lock = threading.Lock()
+        self._conns: list[sqlite3.Connection] = []
+        self._conns_lock = threading.Lock()
+        self._migrate()
+        self.salt = self._meta_salt()
+
+    # --- connections and transactions ----------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+                conn.execute("PRAGMA foreign_keys=ON")
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot open turn store {self.path}: {e}") from None
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    @contextmanager
+    def _tx(self):
+        """One durable write transaction (BEGIN IMMEDIATE .. COMMIT, fsynced by synchronous=FULL)."""
+        conn = self._conn()
+        with self._write_lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        self._local = threading.local()
+
+    def _migrate(self) -> None:
+        with self._tx() as c:
+            version = c.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(_MIGRATIONS):
+                raise StoreError(f"{self.path} has schema version {version}; this clawrl knows {len(_MIGRATIONS)}")
+            for i in range(version, len(_MIGRATIONS)):
+                for stmt in _MIGRATIONS[i].split(";"):
+                    if stmt.strip():
+                        c.execute(stmt)
+                log.info("turn store %s migrated to schema version %d", self.path, i + 1)
+            c.execute(f"PRAGMA user_version = {len(_MIGRATIONS)}")
+
+    def _meta_salt(self) -> str:
+        """A random per-store salt for caller and link hashes, so they cannot be looked up elsewhere."""
+        with self._tx() as c:
+            row = c.execute("SELECT value FROM meta WHERE key = 'salt'").fetchone()
+            if row:
+                return row[0]
+            salt = secrets.token_hex(16)
+            c.execute("INSERT INTO meta (key, value) VALUES ('salt', ?)", (salt,))
+            return salt
+
+    # --- linking (used by clawrl.sessions.SessionLinker) ---------------------------------------
+
+    def turns_by_request_key(self, key: str) -> list[TurnRef]:
+        rows = self._conn().execute(
+            f"SELECT {_TURN_REF_COLUMNS} FROM turns WHERE request_key = ? ORDER BY turn_id DESC", (key,)
+        )
+        return [_turn_ref(r) for r in rows]
+
+    def turns_by_reply_keys(self, keys: Sequence[str]) -> dict[str, list[TurnRef]]:
+        """Complete turns whose history plus reply hashes to one of ``keys``; newest first per key."""
+        out: dict[str, list[TurnRef]] = {}
+        keys = list(keys)
+        for i in range(0, len(keys), 500):  # SQLite's bound-parameter limit
+            chunk = keys[i : i + 500]
+            rows = self._conn().execute(
+                f"SELECT reply_key, {_TURN_REF_COLUMNS} FROM turns WHERE reply_key IN "
+                f"({','.join('?' * len(chunk))}) ORDER BY turn_id DESC",
+                chunk,
+            )
+            for r in rows:
+                out.setdefault(r[0], []).append(_turn_ref(r[1:]))
+        return out
+
+    def latest_turn(self, session_id: str) -> Optional[TurnRef]:
+        row = self._conn().execute(
+            f"SELECT {_TURN_REF_COLUMNS} FROM turns WHERE session_id = ? ORDER BY turn_id DESC LIMIT 1",
+            (session_id,),
+        ).fetchone()
+        return _turn_ref(row) if row else None
+
+    def session_caller(self, session_id: str) -> Optional[str]:
+        row = self._conn().execute("SELECT caller_hash FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        return row[0] if row else None
+
+    def apply_link(
+        self,
+        *,
+        session_id: str,
+        caller_hash: str,
+        user: Optional[str],
+        source: str,
+        now: float,
+        branch_id: Optional[int],
+        fork: tuple[Optional[int], Optional[int]] = (None, None),
+        next_state: Optional[tuple[int, list]] = None,
+    ) -> int:
+        """Write what one request's arrival decides, in one transaction, and return its branch id.
+
+        Creates the session or marks it seen; with ``branch_id=None`` opens a new branch whose
+        (parent turn, sibling turn) is ``fork``; with ``next_state=(turn_id, messages)`` stores that
+        open turn's next state (redacted) and closes it with reason ``next_state``.
+        """
+        with self._tx() as c:
+            c.execute(
+                "INSERT INTO sessions (session_id, caller_hash, user, source, created_at, last_seen_at) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET last_seen_at = excluded.last_seen_at",
+                (session_id, caller_hash, user, source, now, now),
+            )
+            if branch_id is None:
+                branch_id = c.execute(
+                    "SELECT COALESCE(MAX(branch_id) + 1, 0) FROM branches WHERE session_id = ?", (session_id,)
+                ).fetchone()[0]
+                c.execute(
+                    "INSERT INTO branches (session_id, branch_id, parent_turn_id, sibling_turn_id, created_at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (session_id, branch_id, fork[0], fork[1], now),
+                )
+            if next_state is not None:
+                turn_id, messages = next_state
+                redacted, _ = redact_json(messages)
+                c.execute(
+                    "UPDATE turns SET next_state = ?, close_reason = 'next_state', next_state_at = ? "
+                    "WHERE turn_id = ? AND close_reason IS NULL",
+                    (_dumps(redacted), now, turn_id),
+                )
+        return branch_id
+
+    # --- recording -----------------------------------------------------------------------------
+
+    def record_turn(self, rec: TurnRecord) -> int:
+        """Durably commit one turn (redacted) and return its id. Synchronous; call it off the event loop."""
+        if rec.status not in TURN_STATUSES:
+            raise ValueError(f"turn status must be one of {', '.join(TURN_STATUSES)}, not {rec.status!r}")
+        if rec.turn_type not in TURN_TYPES:
+            raise ValueError(f"turn type must be main or side, not {rec.turn_type!r}")
+        n = len(rec.response_ids)
+        if len(rec.logprobs) != n or len(rec.weight_versions) != n:
+            raise ValueError(
+                f"response has {n} ids but {len(rec.logprobs)} logprobs and {len(rec.weight_versions)} versions"
+            )
+        messages, k1 = redact_json(rec.messages)
+        tools, k2 = redact_json(rec.tools)
+        response_text, k3 = redact_json(rec.response_text)
+        tool_calls, k4 = redact_json(rec.tool_calls)
+        parse_error, k5 = redact_json(rec.tool_parse_error)
+        secret = bool(k1 or k2 or k3 or k4 or k5)
+        if rec.status != "complete":
+            trainable, reason = 0, rec.status
+        elif secret:
+            trainable, reason = 0, "secret_redacted"
+        elif n == 0:
+            trainable, reason = 0, "empty_response"
+        else:
+            trainable, reason = 1, None
+        if secret:
+            log.warning("turn in session %s held a secret (%s); stored redacted, without tokens, untrainable",
+                        rec.session_id, ", ".join(sorted(k1 | k2 | k3 | k4 | k5)))
+            blobs = (None, None, None, None)
+        else:
+            blobs = (
+                pack(rec.prompt_ids, "i"),
+                pack(rec.response_ids, "i"),
+                pack(rec.logprobs, "d"),
+                pack(rec.weight_versions, "q"),
+            )
+        # A reply the client never received cannot be continued, so it gets no next state.
+        close_reason = None if rec.status == "complete" else rec.status
+        if close_reason is None and rec.session_done:
+            close_reason = "session_done"
+        closed_at = rec.completed_at if close_reason else None
+        with self._tx() as c:
+            cur = c.execute(
+                "INSERT INTO turns (session_id, branch_id, parent_turn_id, turn_index, caller_hash, link_rule, "
+                "turn_type, type_rule, status, trainable, untrainable_reason, messages, history_len, tools, "
+                "prompt_ids, response_ids, logprobs, weight_versions, prompt_tokens, response_tokens, "
+                "response_text, tool_calls, tool_parse_error, finish_reason, close_reason, created_at, "
+                "completed_at, next_state_at, request_key, reply_key) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    rec.session_id, rec.branch_id, rec.parent_turn_id, rec.turn_index, rec.caller_hash,
+                    rec.link_rule, rec.turn_type, rec.type_rule, rec.status, trainable, reason,
+                    _dumps(messages), rec.history_len, None if tools is None else _dumps(tools), *blobs,
+                    len(rec.prompt_ids), n, response_text,
+                    None if tool_calls is None else _dumps(tool_calls), parse_error, rec.finish_reason,
+                    close_reason, rec.created_at, rec.completed_at, closed_at, rec.request_key,
+                    rec.reply_key if rec.status == "complete" else None,
+                ),
+            )
+            turn_id = cur.lastrowid
+            if rec.session_done:
+                c.execute(
+                    "UPDATE turns SET close_reason = 'session_done', next_state_at = ? "
+                    "WHERE session_id = ? AND close_reason IS NULL",
+                    (rec.completed_at, rec.session_id),
+                )
+        return turn_id
+
+    def close_idle_sessions(self, now: float, idle_timeout_s: float) -> int:
+        """Close the open turns of sessions with no request for ``idle_timeout_s``; returns how many."""
+        with self._tx() as c:
+            cur = c.execute(
+                "UPDATE turns SET close_reason = 'idle_timeout', next_state_at = ? WHERE close_reason IS NULL "
+                "AND session_id IN (SELECT session_id FROM sessions WHERE last_seen_at < ?)",
+                (now, now - idle_timeout_s),
+            )
+            n = cur.rowcount
+        if n:
+            log.info("closed %d turn(s) of sessions idle for over %.0f s; they get no next state", n, idle_timeout_s)
+        return n
+
+    # --- admin ---------------------------------------------------------------------------------
+
+    def status_counts(self) -> dict:
+        c = self._conn()
+        sessions = c.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+        turns, main, with_next = c.execute(
+            "SELECT COUNT(*), COALESCE(SUM(turn_type = 'main'), 0), COALESCE(SUM(next_state IS NOT NULL), 0) FROM turns"
+        ).fetchone()
+        return {"sessions": sessions, "turns": turns, "main_turns": main, "turns_with_next_state": with_next}
+
+    def list_sessions(self, limit: int = 100, offset: int = 0) -> list[dict]:
+        """Sessions, most recently active first, with turn counts."""
+        rows = self._conn().execute(
+            "SELECT s.session_id, s.user, s.source, s.created_at, s.last_seen_at, "
+            "COUNT(t.turn_id), COALESCE(SUM(t.turn_type = 'main'), 0), COALESCE(SUM(t.next_state IS NOT NULL), 0), "
+            "COALESCE(SUM(t.turn_id IS NOT NULL AND t.close_reason IS NULL), 0), "
+            "(SELECT COUNT(*) FROM branches b WHERE b.session_id = s.session_id) "
+            "FROM sessions s LEFT JOIN turns t ON t.session_id = s.session_id "
+            "GROUP BY s.session_id ORDER BY s.last_seen_at DESC LIMIT ? OFFSET ?",
+            (limit, offset),
+        )
+        keys = ("session_id", "user", "source", "created_at", "last_seen_at", "turns", "main_turns",
+                "turns_with_next_state", "open_turns", "branches")
+        return [dict(zip(keys, r)) for r in rows]
+
+    _SUMMARY_COLUMNS = (
+        "turn_id", "session_id", "branch_id", "parent_turn_id", "turn_index", "link_rule", "turn_type",
+        "type_rule", "status", "trainable", "untrainable_reason", "prompt_tokens", "response_tokens",
+        "response_text", "tool_calls", "tool_parse_error", "finish_reason", "next_state", "close_reason",
+        "created_at", "completed_at", "next_state_at",
+    )
+    _JSON_COLUMNS = ("tool_calls", "next_state", "messages", "tools")
+
+    def _turn_dicts(self, columns: Sequence[str], where: str, params: tuple) -> Iterator[dict]:
+        rows = self._conn().execute(f"SELECT {', '.join(columns)} FROM turns {where} ORDER BY turn_id", params)
+        for r in rows:
+            d = dict(zip(columns, r))
+            for k in self._JSON_COLUMNS:
+                if k in d:
+                    d[k] = _loads(d[k])
+            if "trainable" in d:
+                d["trainable"] = bool(d["trainable"])
+            yield d
+
+    def get_session(self, session_id: str) -> Optional[dict]:
+        """One session with its branches and its turns (type, rule, next state, response text...)."""
+        c = self._conn()
+        row = c.execute(
+            "SELECT session_id, user, source, created_at, last_seen_at FROM sessions WHERE session_id = ?",
+            (session_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        out = dict(zip(("session_id", "user", "source", "created_at", "last_seen_at"), row))
+        out["branches"] = [
+            dict(zip(("branch_id", "parent_turn_id", "sibling_turn_id", "created_at"), b))
+            for b in c.execute(
+                "SELECT branch_id, parent_turn_id, sibling_turn_id, created_at FROM branches "
+                "WHERE session_id = ? ORDER BY branch_id",
+                (session_id,),
+            )
+        ]
+        out["turns"] = list(self._turn_dicts(self._SUMMARY_COLUMNS, "WHERE session_id = ?", (session_id,)))
+        return out
+
+    def get_turn(self, turn_id: int) -> dict:
+        """Everything stored about one turn, token arrays unpacked."""
+        turns = list(self._full_turns("WHERE turn_id = ?", (turn_id,)))
+        if not turns:
+            raise UnknownTurn(turn_id)
+        return turns[0]
+
+    def iter_turns(self) -> Iterator[dict]:
+        """Every turn in id order, with token arrays unpacked (what ``clawrl export`` writes)."""
+        return self._full_turns("", ())
+
+    def _full_turns(self, where: str, params: tuple) -> Iterator[dict]:
+        columns = self._SUMMARY_COLUMNS + (
+            "caller_hash", "messages", "history_len", "tools", "prompt_ids", "response_ids", "logprobs",
+            "weight_versions",
+        )
+        for d in self._turn_dicts(columns, where, params):
+            d["prompt_ids"] = unpack(d["prompt_ids"], "i")
+            d["response_ids"] = unpack(d["response_ids"], "i")
+            d["logprobs"] = unpack(d["logprobs"], "d")
+            d["weight_versions"] = unpack(d["weight_versions"], "q")
+            yield d
+
+    def relabel_turn(self, turn_id: int, label: str, actor: str, now: Optional[float] = None) -> dict:
+        """Set a turn to ``main``, ``side`` or ``excluded`` (from training) and record the correction.
+
+        ``main``/``side`` set the type with rule ``admin`` and lift an earlier admin exclusion;
+        reasons the admin cannot undo (aborted, secret_redacted, ...) stay. Returns the correction.
+        """
+        if label not in RELABELS:
+            raise ValueError(f"label must be one of {', '.join(RELABELS)}, not {label!r}")
+        if not actor:
+            raise ValueError("a relabel needs an actor")
+        now = time.time() if now is None else now
+        with self._tx() as c:
+            row = c.execute(
+                "SELECT turn_type, trainable, untrainable_reason FROM turns WHERE turn_id = ?", (turn_id,)
+            ).fetchone()
+            if row is None:
+                raise UnknownTurn(turn_id)
+            turn_type, trainable, reason = row
+            old = "excluded" if reason == "excluded_by_admin" else turn_type
+            if label == "excluded":
+                if trainable or reason == "excluded_by_admin":
+                    c.execute(
+                        "UPDATE turns SET trainable = 0, untrainable_reason = 'excluded_by_admin' WHERE turn_id = ?",
+                        (turn_id,),
+                    )
+            else:
+                c.execute("UPDATE turns SET turn_type = ?, type_rule = 'admin' WHERE turn_id = ?", (label, turn_id))
+                if reason == "excluded_by_admin":
+                    c.execute(
+                        "UPDATE turns SET trainable = 1, untrainable_reason = NULL WHERE turn_id = ?", (turn_id,)
+                    )
+            c.execute(
+                "INSERT INTO corrections (turn_id, old_label, new_label, actor, at) VALUES (?, ?, ?, ?, ?)",
+                (turn_id, old, label, actor, now),
+            )
+        log.info("turn %d relabelled %s -> %s by %s", turn_id, old, label, actor)
+        return {"turn_id": turn_id, "old_label": old, "new_label": label, "actor": actor, "at": now}
+
+    def corrections(self, turn_id: Optional[int] = None) -> list[dict]:
+        where, params = ("WHERE turn_id = ?", (turn_id,)) if turn_id is not None else ("", ())
+        rows = self._conn().execute(
+            f"SELECT correction_id, turn_id, old_label, new_label, actor, at FROM corrections {where} "
+            "ORDER BY correction_id",
+            params,
+        )
+        return [dict(zip(("correction_id", "turn_id", "old_label", "new_label", "actor", "at"), r)) for r in rows]
