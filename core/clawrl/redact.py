@@ -43,12 +43,12 @@ _TOKEN_PATTERNS: list[tuple[str, re.Pattern]] = [
 
 _SECRET_NAMES = (
     r"api[_-]?key|apikey|api[_-]?secret|secret[_-]?key|client[_-]?secret|secret|access[_-]?token"
-    r"|auth[_-]?token|refresh[_-]?token|private[_-]?key|password|passwd|passphrase"
+    r"|access[_-]?key|auth[_-]?token|refresh[_-]?token|private[_-]?key|password|passwd|passphrase"
 )
-# name, optional closing quote, ':' or '=', then a quoted value or a bare word. A bare word followed
-# by '(' or '.' is code (a call or an attribute), not a literal secret.
+# name (with any prefix: OPENAI_API_KEY, DB_PASSWORD), optional closing quote, ':' or '=', then a
+# quoted value or a bare word. A bare word followed by '(' or '.' is code (a call), not a secret.
 _ASSIGNMENT = re.compile(
-    r"""(?P<head>\b(?:%s)\b["']?\s*[:=]\s*)"""
+    r"""(?P<head>\b(?:[A-Za-z0-9]+[_-])*(?:%s)\b["']?\s*[:=]\s*)"""
     r"""(?:(?P<q>["'])(?P<qval>[^"'\n]{4,})(?P=q)|(?P<val>[^\s"',;(){}\[\]<>]{4,})(?![\w.(\[]))""" % _SECRET_NAMES,
     re.I,
 )
