@@ -240,6 +240,16 @@ def test_ordinary_requests_that_mention_side_words_stay_main(linker, text):
     assert (plan.turn_type, plan.type_rule) == ("main", "default_main")
 
 
+def test_a_side_run_on_the_history_does_not_become_the_next_state(linker):
+    p0, t0 = serve(linker, [user("hi")], reply={"response_text": "A"})
+    flush, _ = serve(linker, [user("hi"), assistant("A"), user("Pre-compaction memory flush. Store durable memories now.")])
+    assert (flush.session_id, flush.parent_turn_id, flush.branch_id, flush.next_state_for) == (p0.session_id, t0, 1, None)
+    assert flush.type_rule == "memory_flush"
+    main, _ = serve(linker, [user("hi"), assistant("A"), user("and then?")])
+    assert (main.branch_id, main.parent_turn_id, main.next_state_for) == (0, t0, t0)
+    assert turns_of(linker, p0.session_id)[t0]["next_state"] == [user("and then?")]
+
+
 def test_a_request_with_no_new_input_is_a_side_turn(linker):
     _, t0 = serve(linker, [user("hi")], reply={"response_text": "A"})
     plan, _ = serve(linker, [user("hi"), assistant("A")])  # "continue": nothing new after the reply

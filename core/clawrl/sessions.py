@@ -48,15 +48,15 @@ plus its reply as the client will echo it). Both live in the store, so links sur
 - ``prefix``: the longest history prefix that ends in a stored reply; that turn p is the parent.
   If p is open, everything after its reply (tool results, the next user message) becomes p's next
   state. If p already has a next state, p's prefix is being extended a second time (an edit, or a
-  regenerate racing its twin): a new branch from p. If p was closed (done, idle), the session
-  continues but p keeps no next state.
+  regenerate racing its twin): a new branch from p. A side turn (below) also opens a branch from p
+  and leaves p open: a heartbeat or title request is not the reaction to p's reply. If p was closed
+  (done, idle), the session continues but p keeps no next state.
 - ``header``: a header session id with no matching prefix continues that session's latest turn;
   its next state is the messages after the last assistant message.
 - ``new``: a new session.
 
 **Turn types** (``type_rule`` of a turn; the first that applies wins). "New input" is what the
-request adds after the parent's reply (or, for a session's first turn, after the last assistant
-message, system messages excluded).
+request adds after the parent's reply (without a parent: after the last assistant message).
 - ``header``: ``X-Turn-Type`` given.
 - ``heartbeat`` (side): new user text is a heartbeat poll ("Read HEARTBEAT.md ...", ``HEARTBEAT_OK``).
 - ``memory_flush`` (side): "Pre-compaction memory flush" / "Store durable memories ...".
@@ -272,7 +272,7 @@ class _Link:
     rule: str
     parent: Optional[TurnRef]  # the turn whose reply this request continues
     resent: Optional[TurnRef]  # the stored turn with this very history (rule "resend")
-    prefix_len: int  # history messages covered by the parent's history and reply
+    prefix_len: int  # history messages before the request's new input (the parent's history and reply)
 
 
 class SessionLinker:
@@ -319,26 +319,26 @@ class SessionLinker:
                     log.info("X-Session-Id %s overrides the inferred session %s", session_id, self._session_of(inferred))
                 link = self._infer(history, chain, session_id=session_id) or self._header_link(session_id, history)
             if link is None:
-                link = _Link("new", None, None, 0)
-            plan_fields = self._place(link, history)
-            new_input = history[link.prefix_len:] if link.parent else _after_last_assistant(history)
-            turn_type, type_rule = classify(new_input, resend=plan_fields["regenerate"])
+                link = _Link("new", None, None, _reply_end(history))
+            new_input = history[link.prefix_len:]
+            turn_type, type_rule = classify(new_input, resend=_is_regenerate(link, new_input))
             if hints.turn_type is not None:
                 if hints.turn_type != turn_type:
                     log.info("X-Turn-Type %s overrides rule %s (%s) in session %s",
                              hints.turn_type, type_rule, turn_type, session_id)
                 turn_type, type_rule = hints.turn_type, "header"
-            next_state = plan_fields["next_state"]
+            place = _place(link, new_input, turn_type)
             branch_id = self.store.apply_link(
                 session_id=session_id, caller_hash=caller, user=user, source=source, now=now,
-                branch_id=plan_fields["branch_id"], fork=plan_fields["fork"],
-                next_state=(next_state[0].turn_id, next_state[1]) if next_state else None,
+                branch_id=place.branch_id, fork=place.fork,
+                next_state=(place.parent_turn_id, new_input) if place.supplies_next_state else None,
             )
         plan = TurnPlan(
-            session_id=session_id, branch_id=branch_id, parent_turn_id=plan_fields["parent_turn_id"],
-            turn_index=plan_fields["turn_index"], turn_type=turn_type, type_rule=type_rule, link_rule=link.rule,
-            next_state_for=next_state[0].turn_id if next_state else None, messages=norm, history_len=hist_len,
-            tools=tools, caller_hash=caller, request_key=chain[-1], done=hints.done, created_at=now,
+            session_id=session_id, branch_id=branch_id, parent_turn_id=place.parent_turn_id,
+            turn_index=place.turn_index, turn_type=turn_type, type_rule=type_rule, link_rule=link.rule,
+            next_state_for=place.parent_turn_id if place.supplies_next_state else None, messages=norm,
+            history_len=hist_len, tools=tools, caller_hash=caller, request_key=chain[-1], done=hints.done,
+            created_at=now,
         )
         log.info("request linked: session %s branch %d turn %d (%s, %s/%s)%s", plan.session_id, plan.branch_id,
                  plan.turn_index, plan.link_rule, plan.turn_type, plan.type_rule,
@@ -386,30 +386,7 @@ class SessionLinker:
             return None
         log.info("no stored prefix matches in session %s; X-Session-Id continues its latest turn %d",
                  session_id, latest.turn_id)
-        return _Link("header", latest, None, len(history) - len(_after_last_assistant(history)))
-
-    def _place(self, link: _Link, history: list) -> dict:
-        """Branch, parent, index and next-state write for a link."""
-        p = link.parent
-        if link.resent is not None:
-            r = link.resent
-            regenerate = r.status == "complete"
-            return dict(branch_id=None if regenerate else r.branch_id, fork=(r.parent_turn_id, r.turn_id),
-                        parent_turn_id=r.parent_turn_id, turn_index=r.turn_index, next_state=None,
-                        regenerate=regenerate)
-        if p is None:
-            return dict(branch_id=None, fork=(None, None), parent_turn_id=None, turn_index=0, next_state=None,
-                        regenerate=False)
-        new = history[link.prefix_len:]
-        if p.close_reason is None:
-            return dict(branch_id=p.branch_id, fork=(None, None), parent_turn_id=p.turn_id,
-                        turn_index=p.turn_index + 1, next_state=(p, new), regenerate=False)
-        if p.close_reason == "next_state":
-            return dict(branch_id=None, fork=(p.turn_id, None), parent_turn_id=p.turn_id,
-                        turn_index=p.turn_index + 1, next_state=None, regenerate=new == p.next_state)
-        log.info("turn %d was closed (%s); its session continues but it keeps no next state", p.turn_id, p.close_reason)
-        return dict(branch_id=p.branch_id, fork=(None, None), parent_turn_id=p.turn_id, turn_index=p.turn_index + 1,
-                    next_state=None, regenerate=False)
+        return _Link("header", latest, None, _reply_end(history))
 
     def record(
         self,
@@ -444,6 +421,41 @@ class SessionLinker:
         return self.store.close_idle_sessions(time.time() if now is None else now, self.idle_timeout_s)
 
 
-def _after_last_assistant(history: list) -> list:
-    last = max((i for i, m in enumerate(history) if m["role"] == "assistant"), default=-1)
-    return [m for m in history[last + 1:] if m["role"] not in ("system", "developer")]
+@dataclass(frozen=True)
+class _Placement:
+    branch_id: Optional[int]  # None: open a new branch
+    fork: tuple  # (parent turn, sibling turn) of a new branch
+    parent_turn_id: Optional[int]
+    turn_index: int
+    supplies_next_state: bool  # the request's new input becomes the parent's next state
+
+
+def _is_regenerate(link: _Link, new_input: list) -> bool:
+    """The same history re-sent after it was answered (directly, or racing the first answer)."""
+    if link.resent is not None:
+        return link.resent.status == "complete"
+    p = link.parent
+    return p is not None and p.close_reason == "next_state" and new_input == p.next_state
+
+
+def _place(link: _Link, new_input: list, turn_type: str) -> _Placement:
+    """Branch, parent and index of a request, and whether it supplies its parent's next state."""
+    r, p = link.resent, link.parent
+    if r is not None:  # a regenerate branches beside r; a retry of an aborted r takes its place
+        regenerate = r.status == "complete"
+        return _Placement(None if regenerate else r.branch_id, (r.parent_turn_id, r.turn_id), r.parent_turn_id,
+                          r.turn_index, False)
+    if p is None:
+        return _Placement(None, (None, None), None, 0, False)
+    if p.close_reason == "next_state" or (turn_type == "side" and p.close_reason is None):
+        # p's prefix extended a second time; or a side run (heartbeat, title, ...) that must not
+        # pass for the reaction to p's reply: a branch from p that leaves p's next state alone.
+        return _Placement(None, (p.turn_id, None), p.turn_id, p.turn_index + 1, False)
+    if p.close_reason is not None:
+        log.info("turn %d was closed (%s); its session continues but it keeps no next state", p.turn_id, p.close_reason)
+    return _Placement(p.branch_id, (None, None), p.turn_id, p.turn_index + 1, p.close_reason is None)
+
+
+def _reply_end(history: list) -> int:
+    """Where new input starts when no stored reply matches: after the last assistant message."""
+    return 1 + max((i for i, m in enumerate(history) if m["role"] == "assistant"), default=-1)
