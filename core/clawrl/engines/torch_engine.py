@@ -60,7 +60,7 @@ class _Request:
     score_lps: list[float] = field(default_factory=list)
     score_top_ids: list[list[int]] = field(default_factory=list)
     score_top_lps: list[list[float]] = field(default_factory=list)
-    score_version: int = -1
+    kv_version: int = -1  # weight version its KV started under; older KV never enters the prefix cache
     done: bool = False
 
     @property
@@ -341,7 +341,7 @@ class TorchEngine(Engine):
         if entry is not None and n:
             req.kv.copy_prefix_from(entry, n)
             req.cached = n
-        req.score_version = self.weight_version
+        req.kv_version = self.weight_version
 
     def _step(self) -> None:
         segments, owners = self._plan()
@@ -372,7 +372,7 @@ class TorchEngine(Engine):
             if req.is_score and not req.prefilling and not req.done:
                 self._finish_score(req)
             elif not req.done and req.kv.length == len(req.feed):
-                self.prefix_cache.insert(req.feed, req.kv)  # others with this prompt may reuse it now
+                self._remember(req.feed, req)  # others with this prompt may reuse it now
 
     def _plan(self) -> tuple[list[Segment], list[_Request]]:
         segments, owners = [], []
@@ -415,9 +415,9 @@ class TorchEngine(Engine):
     def _finish_score(self, req: _Request) -> None:
         req.done = True
         self._running.remove(req)
-        self.prefix_cache.insert(req.feed, req.kv)
+        self._remember(req.feed, req)
         k = req.score_top_k
-        res = ScoreResult(req.score_lps, req.score_version, req.score_top_ids if k else None,
+        res = ScoreResult(req.score_lps, req.kv_version, req.score_top_ids if k else None,
                           req.score_top_lps if k else None)
         _deliver(req.loop, _set_result, req.future, res)
 
@@ -450,13 +450,16 @@ class TorchEngine(Engine):
         else:
             _deliver(req.loop, _put, req.chunks, err)
 
+    def _remember(self, tokens: list[int], req: _Request) -> None:
+        if req.kv_version == self.weight_version:
+            self.prefix_cache.insert(tokens, req.kv)
+
     def _retire(self, req: _Request) -> None:
         req.done = True
         if req in self._running:
             self._running.remove(req)
-            if req.kv is not None and req.kv.length:
-                tokens = req.feed + req.out_ids
-                self.prefix_cache.insert(tokens, req.kv)
+            if req.kv is not None:
+                self._remember(req.feed + req.out_ids, req)
         elif req in self._waiting:
             self._waiting.remove(req)
 
