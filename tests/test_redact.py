@@ -8,6 +8,7 @@ from test_sessions import assistant, serve, turns_of, user
 
 SECRETS = [  # (text, the secret in it, kind)
     ("Authorization: Bearer abcDEF123456.xyz", "abcDEF123456.xyz", "bearer"),
+    ("AUTHORIZATION: BEARER abc123def456", "abc123def456", "bearer"),
     ("key sk-proj-Abc123def456GHI789jkl ok", "sk-proj-Abc123def456GHI789jkl", "openai_key"),
     ("ANTHROPIC sk-ant-api03-abcdefghijklmnopqrstuvwx", "sk-ant-api03-abcdefghijklmnopqrstuvwx", "anthropic_key"),
     ("token ghp_" + "a1B2" * 9, "ghp_" + "a1B2" * 9, "github_token"),

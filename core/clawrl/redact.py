@@ -18,37 +18,35 @@ Kinds: ``private_key`` (PEM), ``bearer``, ``anthropic_key`` (sk-ant-...), ``open
 """
 from __future__ import annotations
 
+import functools
 import re
 
 _PLACEHOLDER = "[REDACTED:{}]"
 
-# Order matters: the PEM block first (it may contain anything), sk-ant- before sk-.
-_TOKEN_PATTERNS: list[tuple[str, re.Pattern]] = [
-    (
-        "private_key",
-        re.compile(
-            r"-----BEGIN [A-Z ]*PRIVATE KEY-----(?:.*?-----END [A-Z ]*PRIVATE KEY-----|.*\Z)", re.S
-        ),
-    ),
+# One alternation, scanned once; order matters: the PEM block first (it may contain anything),
+# sk-ant- before sk-.
+_TOKEN_KINDS: list[tuple[str, str]] = [
+    ("private_key", r"-----BEGIN [A-Z ]*PRIVATE KEY-----(?:.*?-----END [A-Z ]*PRIVATE KEY-----|.*\Z)"),
     # A bearer credential has a digit or punctuation in it; "Bearer authentication" is prose.
-    ("bearer", re.compile(r"(?<=\bBearer )\s*(?=[\w.~+/=-]*[\d._~+/-])[\w.~+/=-]{8,}", re.I)),
-    ("anthropic_key", re.compile(r"\bsk-ant-[\w-]{16,}")),
-    ("openai_key", re.compile(r"\bsk-[\w-]{16,}")),
-    ("github_token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,})")),
-    ("aws_access_key", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
-    ("slack_token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
-    ("google_api_key", re.compile(r"\bAIza[\w-]{35}")),
-    ("hf_token", re.compile(r"\bhf_[A-Za-z0-9]{30,}")),
+    ("bearer", r"(?<=\b(?i:bearer) )\s*(?=[\w.~+/=-]*[\d._~+/-])[\w.~+/=-]{8,}"),
+    ("anthropic_key", r"\bsk-ant-[\w-]{16,}"),
+    ("openai_key", r"\bsk-[\w-]{16,}"),
+    ("github_token", r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,})"),
+    ("aws_access_key", r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),
+    ("slack_token", r"\bxox[abposr]-[A-Za-z0-9-]{10,}"),
+    ("google_api_key", r"\bAIza[\w-]{35}"),
+    ("hf_token", r"\bhf_[A-Za-z0-9]{30,}"),
 ]
+_TOKENS = re.compile("|".join(f"(?P<{kind}>{rx})" for kind, rx in _TOKEN_KINDS), re.S)
 
 _SECRET_NAMES = (
     r"api[_-]?key|apikey|api[_-]?secret|secret[_-]?key|client[_-]?secret|secret|access[_-]?token"
     r"|access[_-]?key|auth[_-]?token|refresh[_-]?token|private[_-]?key|password|passwd|passphrase"
 )
-# name (with any prefix: OPENAI_API_KEY, DB_PASSWORD), optional closing quote, ':' or '=', then a
-# quoted value or a bare word. A bare word followed by '(' or '.' is code (a call), not a secret.
+# name (any identifier ending in one: OPENAI_API_KEY, DB_PASSWORD), optional closing quote, ':' or
+# '=', then a quoted value or a bare word. A bare word followed by '(' or '.' is code, not a secret.
 _ASSIGNMENT = re.compile(
-    r"""(?P<head>\b(?:[A-Za-z0-9]+[_-])*(?:%s)\b["']?\s*[:=]\s*)"""
+    r"""(?P<head>(?:%s)\b["']?\s*[:=]\s*)"""
     r"""(?:(?P<q>["'])(?P<qval>[^"'\n]{4,})(?P=q)|(?P<val>[^\s"',;(){}\[\]<>]{4,})(?![\w.(\[]))""" % _SECRET_NAMES,
     re.I,
 )
@@ -70,15 +68,21 @@ def _replace_assignment(m: re.Match, found: set[str]) -> str:
     return f"{m.group('head')}{q}{_PLACEHOLDER.format('assignment')}{q}"
 
 
-def redact_text(text: str) -> tuple[str, set[str]]:
-    """Return ``text`` with secrets replaced, and the set of secret kinds that were found."""
+@functools.lru_cache(maxsize=4096)
+def redact_text(text: str) -> tuple[str, frozenset[str]]:
+    """Return ``text`` with secrets replaced, and the kinds of secret that were found.
+
+    Cached: every request re-sends the same system prompt, tools and history, and the store
+    redacts each turn's full request.
+    """
     found: set[str] = set()
-    for kind, pattern in _TOKEN_PATTERNS:
-        text, n = pattern.subn(_PLACEHOLDER.format(kind), text)
-        if n:
-            found.add(kind)
-    text = _ASSIGNMENT.sub(lambda m: _replace_assignment(m, found), text)
-    return text, found
+
+    def token(m: re.Match) -> str:
+        found.add(m.lastgroup)
+        return _PLACEHOLDER.format(m.lastgroup)
+
+    text = _ASSIGNMENT.sub(lambda m: _replace_assignment(m, found), _TOKENS.sub(token, text))
+    return text, frozenset(found)
 
 
 def redact_json(value):

@@ -402,7 +402,13 @@ class SessionLinker:
         finish_reason: Optional[str] = None,
         status: str = "complete",
     ) -> int:
-        """Durably store the served turn and return its id (commit included; a few ms)."""
+        """Durably store the served turn and return its id; it is committed (fsynced) on return.
+
+        ``status``: ``complete``, ``aborted`` (client went away; stored untrainable, closed) or
+        ``error``. ``tool_parse_error``: why a tool-call block in the output was not a valid call
+        (several reasons joined by newlines). With ``n`` > 1 choices, call once per choice with the
+        same plan: each becomes a turn, and the one the client keeps in its history gets the next state.
+        """
         reply = normalize_message({"role": "assistant", "content": response_text, "tool_calls": tool_calls})
         reply_key = _extend(plan.request_key, reply) if status == "complete" else None
         return self.store.record_turn(TurnRecord(
