@@ -10,7 +10,7 @@ import time
 import pytest
 
 from clawrl.sessions import SessionLinker
-from clawrl.store import TurnRecord, TurnStore, UnknownTurn
+from clawrl.store import StoreError, TurnRecord, TurnStore, UnknownTurn
 
 
 def record(store, session="s", **over):
@@ -182,11 +182,22 @@ def test_empty_response_is_stored_untrainable(tmp_path):
     store.close()
 
 
+def test_unusable_run_dirs_give_one_line_store_errors(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(StoreError, match="cannot create run directory"):
+        TurnStore(tmp_path / "a_file")
+    (tmp_path / "clawrl.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(StoreError, match="file is not a database"):
+        TurnStore(tmp_path)
+    with pytest.raises(StoreError, match="no turn store"):
+        TurnStore(tmp_path / "empty", create=False)
+
+
 def test_a_newer_schema_is_refused(tmp_path):
     TurnStore(tmp_path).close()
     with sqlite3.connect(tmp_path / "clawrl.sqlite") as conn:
         conn.execute("PRAGMA user_version = 99")
-    with pytest.raises(Exception, match="schema version 99"):
+    with pytest.raises(StoreError, match="schema version 99"):
         TurnStore(tmp_path)
 
 

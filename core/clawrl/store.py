@@ -233,7 +233,10 @@ class TurnStore:
         self.path = self.run_dir / STORE_FILENAME
         if not create and not self.path.is_file():
             raise StoreError(f"no turn store at {self.path}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create run directory {self.run_dir}: {e.strerror}") from None
         self._local = threading.local()
         self._write_lock = threading.Lock()
         self._conns: list[sqlite3.Connection] = []
