@@ -321,13 +321,14 @@ class SessionLinker:
             if link is None:
                 link = _Link("new", None, None, _reply_end(history))
             new_input = history[link.prefix_len:]
-            turn_type, type_rule = classify(new_input, resend=_is_regenerate(link, new_input))
+            regenerate = _is_regenerate(link, new_input)
+            turn_type, type_rule = classify(new_input, resend=regenerate)
             if hints.turn_type is not None:
                 if hints.turn_type != turn_type:
                     log.info("X-Turn-Type %s overrides rule %s (%s) in session %s",
                              hints.turn_type, type_rule, turn_type, session_id)
                 turn_type, type_rule = hints.turn_type, "header"
-            place = _place(link, new_input, turn_type)
+            place = _place(link, turn_type, regenerate)
             branch_id = self.store.apply_link(
                 session_id=session_id, caller_hash=caller, user=user, source=source, now=now,
                 branch_id=place.branch_id, fork=place.fork,
@@ -444,11 +445,10 @@ def _is_regenerate(link: _Link, new_input: list) -> bool:
     return p is not None and p.close_reason == "next_state" and new_input == p.next_state
 
 
-def _place(link: _Link, new_input: list, turn_type: str) -> _Placement:
+def _place(link: _Link, turn_type: str, regenerate: bool) -> _Placement:
     """Branch, parent and index of a request, and whether it supplies its parent's next state."""
     r, p = link.resent, link.parent
     if r is not None:  # a regenerate branches beside r; a retry of an aborted r takes its place
-        regenerate = r.status == "complete"
         return _Placement(None if regenerate else r.branch_id, (r.parent_turn_id, r.turn_id), r.parent_turn_id,
                           r.turn_index, False)
     if p is None:

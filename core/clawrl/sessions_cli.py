@@ -51,7 +51,7 @@ def sessions_cli(args) -> int:
             rows = [
                 [s["session_id"], s["turns"], s["main_turns"], s["turns_with_next_state"], s["branches"],
                  s["open_turns"], _when(s["last_seen_at"])]
-                for s in store.list_sessions(limit=10**9)
+                for s in store.list_sessions()
             ]
             print(_table(rows, ["SESSION", "TURNS", "MAIN", "NEXT_STATE", "BRANCHES", "OPEN", "LAST_SEEN"]))
             return 0

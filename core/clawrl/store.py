@@ -473,8 +473,8 @@ class TurnStore:
         ).fetchone()
         return {"sessions": sessions, "turns": turns, "main_turns": main, "turns_with_next_state": with_next}
 
-    def list_sessions(self, limit: int = 100, offset: int = 0) -> list[dict]:
-        """Sessions, most recently active first, with turn counts."""
+    def list_sessions(self, limit: Optional[int] = None, offset: int = 0) -> list[dict]:
+        """Sessions, most recently active first, with turn counts; ``limit=None``: all of them."""
         rows = self._conn().execute(
             "SELECT s.session_id, s.user, s.source, s.created_at, s.last_seen_at, "
             "COUNT(t.turn_id), COALESCE(SUM(t.turn_type = 'main'), 0), COALESCE(SUM(t.next_state IS NOT NULL), 0), "
@@ -482,7 +482,7 @@ class TurnStore:
             "(SELECT COUNT(*) FROM branches b WHERE b.session_id = s.session_id) "
             "FROM sessions s LEFT JOIN turns t ON t.session_id = s.session_id "
             "GROUP BY s.session_id ORDER BY s.last_seen_at DESC LIMIT ? OFFSET ?",
-            (limit, offset),
+            (-1 if limit is None else limit, offset),
         )
         keys = ("session_id", "user", "source", "created_at", "last_seen_at", "turns", "main_turns",
                 "turns_with_next_state", "open_turns", "branches")
