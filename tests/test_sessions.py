@@ -181,6 +181,16 @@ def test_header_session_without_a_matching_prefix_continues_its_latest_turn(link
     assert turns_of(linker, "s1")[t0]["next_state"] == [user("summary of earlier"), user("second")]
 
 
+def test_a_header_side_run_with_its_own_messages_leaves_the_main_turn_open(linker):
+    h = SessionHints(session_id="s1")
+    _, t0 = serve(linker, [user("first")], reply={"response_text": "A"}, hints=h)
+    title, t_title = serve(linker, [user("Name this chat in three words")],
+                           hints=SessionHints(session_id="s1", turn_type="side"))
+    assert (title.parent_turn_id, title.next_state_for, title.branch_id) == (t0, None, 1)
+    compacted, _ = serve(linker, [user("summary of earlier"), user("second")], hints=h)
+    assert (compacted.parent_turn_id, compacted.next_state_for) == (t0, t0)  # the main turn, not the title run
+
+
 def test_a_header_session_id_of_another_caller_is_not_merged(linker):
     a, _ = serve(linker, [user("hi")], caller="key-a", hints=SessionHints(session_id="1"))
     b, _ = serve(linker, [user("yo")], caller="key-b", hints=SessionHints(session_id="1"))

@@ -51,8 +51,9 @@ plus its reply as the client will echo it). Both live in the store, so links sur
   regenerate racing its twin): a new branch from p. A side turn (below) also opens a branch from p
   and leaves p open: a heartbeat or title request is not the reaction to p's reply. If p was closed
   (done, idle), the session continues but p keeps no next state.
-- ``header``: a header session id with no matching prefix continues that session's latest turn;
-  its next state is the messages after the last assistant message.
+- ``header``: a header session id with no matching prefix (the client compacted its history, or a
+  side run sends its own messages) continues that session's latest complete main turn; its next
+  state is the messages after the request's last assistant message.
 - ``new``: a new session.
 
 **Turn types** (``type_rule`` of a turn; the first that applies wins). "New input" is what the
@@ -385,7 +386,7 @@ class SessionLinker:
         latest = self.store.latest_turn(session_id)
         if latest is None:
             return None
-        log.info("no stored prefix matches in session %s; X-Session-Id continues its latest turn %d",
+        log.info("no stored prefix matches in session %s; X-Session-Id continues its latest main turn %d",
                  session_id, latest.turn_id)
         return _Link("header", latest, None, _reply_end(history))
 

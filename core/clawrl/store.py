@@ -327,8 +327,10 @@ class TurnStore:
         return out
 
     def latest_turn(self, session_id: str) -> Optional[TurnRef]:
+        """The session's newest turn, preferring complete main turns over side runs and aborts."""
         row = self._conn().execute(
-            f"SELECT {_TURN_REF_COLUMNS} FROM turns WHERE session_id = ? ORDER BY turn_id DESC LIMIT 1",
+            f"SELECT {_TURN_REF_COLUMNS} FROM turns WHERE session_id = ? "
+            "ORDER BY turn_type = 'main' DESC, status = 'complete' DESC, turn_id DESC LIMIT 1",
             (session_id,),
         ).fetchone()
         return _turn_ref(row) if row else None
