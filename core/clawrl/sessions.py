@@ -16,6 +16,7 @@ Use (the gateway does this for every chat request)::
                             response_text=..., tool_calls=..., tool_parse_error=..., finish_reason=...,
                             status="complete")                   # durable before the last byte is sent
     linker.close_idle_sessions()                                  # call periodically
+    linker.store.status_counts() / list_sessions() / get_session(id) / relabel_turn(id, label, actor)
 
 ``begin`` and ``record`` are synchronous (SQLite commits); call them via ``asyncio.to_thread``.
 ``response_text`` and ``tool_calls`` must be what the client received: the assistant content after
@@ -45,6 +46,7 @@ plus its reply as the client will echo it). Both live in the store, so links sur
 **Link rules** (``link_rule`` of a turn), tried in order:
 - ``resend``: the same history was sent before. If that turn completed, this is a regenerate: a new
   branch beside it (same parent); if it was aborted or failed, this is a retry on the same branch.
+  A history whose session has ended (done, idle) is not resent: it opens a new session.
 - ``prefix``: the longest history prefix that ends in a stored reply; that turn p is the parent.
   If p is open, everything after its reply (tool results, the next user message) becomes p's next
   state. If p already has a next state, p's prefix is being extended a second time (an edit, or a
