@@ -1,0 +1,101 @@
+"""``clawrl serve``: compose the config, load the model and engine, open the turn store, and serve
+the OpenAI-compatible gateway with uvicorn until SIGINT/SIGTERM.
+
+The listening socket is bound *before* the model loads, so a port in use fails in a second with
+one line instead of after a long load; uvicorn then serves on that socket and handles the signals
+(it stops accepting, lets in-flight responses finish, and runs the app's shutdown, which stops
+the engine). Turns are durable as they are served, so even ``kill -9`` loses no acknowledged turn.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "CLAWRL_API_KEY"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: any free port), or CliError in one line."""
+    from clawrl.cli import CliError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CliError(f"cannot resolve server.host={host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server using the port? "
+                       "set server.port=...)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def provider_snippet(base_url: str, model: str, context_window: int, max_tokens: int, has_key: bool) -> dict:
+    """OpenClaw's provider entry for this server. The key is never printed: a placeholder, or an
+    env reference OpenClaw expands when $CLAWRL_API_KEY is set here."""
+    if not has_key:
+        api_key = "none"  # loopback without a key: any value is accepted
+    elif os.environ.get(API_KEY_ENV):
+        api_key = "${" + API_KEY_ENV + "}"
+    else:
+        api_key = "<your api key>"
+    return {"models": {"providers": {"clawrl": {
+        "baseUrl": base_url, "apiKey": api_key, "api": "openai-completions",
+        "models": [{"id": model, "name": model, "reasoning": False, "input": ["text"],
+                    "contextWindow": context_window, "maxTokens": max_tokens}],
+    }}}}
+
+
+def serve_cli(args) -> int:
+    import uvicorn
+
+    from clawrl.cli import CliError
+    from clawrl.config import compose
+    from clawrl.engines import make_engine
+    from clawrl.engines.base import EngineError
+    from clawrl.gateway.app import create_app
+    from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
+    from clawrl.sessions import SessionLinker
+    from clawrl.store import StoreError, TurnStore
+
+    cfg = compose(args.overrides, args.config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_server_auth(cfg.server)
+    except AuthConfigError as e:
+        raise CliError(str(e)) from None
+    sock = bind_socket(cfg.server.host, cfg.server.port)
+    try:
+        try:
+            engine = make_engine(cfg)
+            store = TurnStore(cfg.run_dir)
+        except (EngineError, StoreError) as e:
+            raise CliError(str(e)) from None
+        linker = SessionLinker(store, idle_timeout_s=cfg.sessions.idle_timeout_s)
+        app = create_app(cfg, engine, linker)
+        info = engine.model_info()
+        host, port = sock.getsockname()[:2]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
+        base_url = f"http://{shown}:{port}/v1"
+        snippet = provider_snippet(base_url, info.name, info.max_context,
+                                   min(cfg.server.default_max_tokens, info.max_context),
+                                   bool(parse_keys(cfg.server.api_key)))
+        print(f"clawrl: serving {info.name} at {base_url} (turns stored in {store.path})", flush=True)
+        print("OpenClaw provider (paste into openclaw.json):", flush=True)
+        print(json.dumps(snippet, indent=2), flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+        server.run(sockets=[sock])
+        store.close()
+    finally:
+        sock.close()
+    return 0
