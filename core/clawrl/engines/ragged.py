@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 RAGGED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# Decoding sequences shorter than this are attended in one padded batch (see RaggedForward.forward).
+BATCH_DECODE_MAX_CONTEXT = 2048
 
 
 class SeqKV:
@@ -137,7 +140,20 @@ class RaggedForward:
         cos, sin = self.inner.rotary_emb(x[None], pos[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]
         total = ids.shape[0]
-        masks = [self._mask(st, n, dev) for st, n in zip(starts, lens)]
+        offs = [0]
+        for n in lens[:-1]:
+            offs.append(offs[-1] + n)
+        # Decoding sequences with short contexts share one padded attention call: copying their KV
+        # into a padded batch is cheaper than a Python-level call each. Long ones go one by one.
+        batched = [i for i, (st, n) in enumerate(zip(starts, lens)) if n == 1 and st < BATCH_DECODE_MAX_CONTEXT]
+        if len(batched) < 2:
+            batched = []
+        single = [i for i in range(len(segments)) if i not in set(batched)]
+        masks = {i: self._mask(starts[i], lens[i], dev) for i in single}
+        if batched:
+            rows_b = torch.tensor([offs[i] for i in batched], device=dev)
+            kv_lens = torch.tensor([starts[i] + 1 for i in batched], device=dev)
+            pad_mask = (torch.arange(int(kv_lens.max()), device=dev)[None, :] < kv_lens[:, None])[:, None, None, :]
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -147,20 +163,23 @@ class RaggedForward:
             if self.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            outs = []
-            off = 0
-            for seg, st, n, mask in zip(segments, starts, lens, masks):
+            out = q.new_empty(total, self.n_heads * self.head_dim)
+            for i in single:
+                seg, st, n, off = segments[i], starts[i], lens[i], offs[i]
                 kb, vb = seg.kv.layers[li]
                 kb[:, st: st + n] = k[off: off + n].transpose(0, 1)
                 vb[:, st: st + n] = v[off: off + n].transpose(0, 1)
                 o = F.scaled_dot_product_attention(
                     q[off: off + n].transpose(0, 1)[None], kb[None, :, : st + n], vb[None, :, : st + n],
-                    attn_mask=mask, is_causal=(mask is None and n > 1), scale=self.scaling,
+                    attn_mask=masks[i], is_causal=(masks[i] is None and n > 1), scale=self.scaling,
                     enable_gqa=self.kv_heads != self.n_heads,
                 )
-                outs.append(o[0].transpose(0, 1).reshape(n, self.n_heads * self.head_dim))
-                off += n
-            x = x + attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+                out[off: off + n] = o[0].transpose(0, 1).reshape(n, -1)
+            if batched:
+                out[rows_b] = self._batched_decode(li, [segments[i] for i in batched],
+                                                   [starts[i] for i in batched], q[rows_b], k[rows_b], v[rows_b],
+                                                   pad_mask)
+            x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         for s, n in zip(segments, lens):
             s.kv.length += n
@@ -172,6 +191,21 @@ class RaggedForward:
             return x.new_empty(0, self.model.config.vocab_size, dtype=torch.float32)
         hidden = self.inner.norm(x[torch.tensor(rows, device=dev)])
         return self.model.lm_head(hidden).float()
+
+    def _batched_decode(self, li, segs, starts, q, k, v, pad_mask) -> torch.Tensor:
+        """One query per sequence against its own KV, all sequences in one padded SDPA call."""
+        keys, values = [], []
+        for seg, st, kt, vt in zip(segs, starts, k, v):
+            kb, vb = seg.kv.layers[li]
+            kb[:, st] = kt
+            vb[:, st] = vt
+            keys.append(kb[:, : st + 1].transpose(0, 1))
+            values.append(vb[:, : st + 1].transpose(0, 1))
+        kp = pad_sequence(keys, batch_first=True).transpose(1, 2)  # [B, kv_heads, L, head_dim]
+        vp = pad_sequence(values, batch_first=True).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:, :, None], kp, vp, attn_mask=pad_mask, scale=self.scaling,
+                                           enable_gqa=self.kv_heads != self.n_heads)
+        return o.reshape(len(segs), -1)
 
     @staticmethod
     def _mask(start: int, n: int, dev) -> torch.Tensor | None:

@@ -101,6 +101,7 @@ class TorchEngine(Engine):
         self._paused = False
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self.steps = 0
 
     # ---------------------------------------------------------------- asyncio side
@@ -255,15 +256,16 @@ class TorchEngine(Engine):
                     cmd = self._cmds.get_nowait() if busy else self._cmds.get()
                     while True:
                         if self._apply(cmd):
+                            self._flush_outbox()
                             return
                         cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     pass
-                if self._paused:
-                    continue
-                self._admit()
-                if self._running:
-                    self._step()
+                if not self._paused:
+                    self._admit()
+                    if self._running:
+                        self._step()
+                self._flush_outbox()
 
     def _apply(self, cmd) -> bool:
         """Apply one command; True means stop the thread."""
@@ -285,9 +287,9 @@ class TorchEngine(Engine):
             try:
                 result = self._control(kind, payload)
             except Exception as e:  # reported to the caller, never kills the thread
-                _deliver(loop, _set_exception, fut, e)
+                self._post(loop, _set_exception, fut, e)
             else:
-                _deliver(loop, _set_result, fut, result)
+                self._post(loop, _set_result, fut, result)
         return False
 
     def _control(self, kind: str, payload):
@@ -419,7 +421,7 @@ class TorchEngine(Engine):
         k = req.score_top_k
         res = ScoreResult(req.score_lps, req.kv_version, req.score_top_ids if k else None,
                           req.score_top_lps if k else None)
-        _deliver(req.loop, _set_result, req.future, res)
+        self._post(req.loop, _set_result, req.future, res)
 
     def _emit_token(self, req: _Request, d, version: int) -> None:
         p = req.params
@@ -435,20 +437,34 @@ class TorchEngine(Engine):
                            finish, matched, req.cached if len(req.out_ids) == 1 else 0)
         if finish is not None:
             self._retire(req)
-        _deliver(req.loop, _put, req.chunks, chunk)
+        self._post(req.loop, _put, req.chunks, chunk)
 
     def _finish(self, req: _Request, reason: str) -> None:
         """End a generate request without a new token (abort)."""
         self._retire(req)
-        _deliver(req.loop, _put, req.chunks, TokenChunk([], [], [], None, reason, None,
+        self._post(req.loop, _put, req.chunks, TokenChunk([], [], [], None, reason, None,
                                                          req.cached if not req.out_ids else 0))
 
     def _fail(self, req: _Request, err: Exception) -> None:
         self._retire(req)
         if req.is_score:
-            _deliver(req.loop, _set_exception, req.future, err)
+            self._post(req.loop, _set_exception, req.future, err)
         else:
-            _deliver(req.loop, _put, req.chunks, err)
+            self._post(req.loop, _put, req.chunks, err)
+
+    def _post(self, loop: asyncio.AbstractEventLoop, fn, target, value) -> None:
+        """Queue ``fn(target, value)`` for ``loop``; sent once per step by ``_flush_outbox``."""
+        self._outbox.setdefault(loop, []).append((fn, target, value))
+
+    def _flush_outbox(self) -> None:
+        """One wake-up per event loop per step, not one per token: each wake-up is a syscall and a
+        GIL hand-over that would otherwise grow with the batch size."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, items)
+            except RuntimeError:  # that loop is closed; nobody is listening
+                pass
 
     def _remember(self, tokens: list[int], req: _Request) -> None:
         if req.kv_version == self.weight_version:
@@ -478,11 +494,9 @@ def _merge(chunks: list[TokenChunk]) -> TokenChunk:
     return out
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, fn, target, value) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, target, value)
-    except RuntimeError:  # the caller's loop is closed; nobody is listening
-        pass
+def _run_all(items) -> None:
+    for fn, target, value in items:
+        fn(target, value)
 
 
 def _put(q: asyncio.Queue, item) -> None:
