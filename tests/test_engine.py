@@ -417,3 +417,13 @@ def test_shutdown_engine_refuses_new_requests(loaded):
             eng.stream([3, 4], GREEDY)
 
     run(go())
+
+
+def test_sglang_backend_without_sglang_is_a_clear_error():
+    from clawrl.config import compose
+    from clawrl.engines import make_engine
+
+    with pytest.raises(EngineError, match="^SGLang is not installed; pip install sglang"):
+        make_engine(compose(["engine.backend=sglang"]))
+    with pytest.raises(EngineError, match="unknown engine.backend 'vllm'"):
+        make_engine(compose(["engine.backend=vllm"]))
