@@ -1,0 +1,27 @@
+"""The README's commands are the ones CI runs: a drift between them would let a broken README pass."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme_cmds = _bash_blocks((ROOT / "README.md").read_text())
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    test_cmd = next(c for c in readme_cmds if "pytest" in c)
+    assert test_cmd in ci_lines
+
+
+def test_readme_install_matches_ci_install():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "requirements.txt" in readme and "-r requirements.txt" in ci
+    assert "pip install -e ." in readme and "-e ." in ci
+
+
+def test_readme_quick_start_is_clawrl_serve():
+    assert "clawrl serve" in _bash_blocks((ROOT / "README.md").read_text())
