@@ -27,8 +27,9 @@ class ContextLengthExceeded(EngineError):
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int, max_context: int):
         self.prompt_tokens, self.max_new_tokens, self.max_context = prompt_tokens, max_new_tokens, max_context
+        asked = f" plus {max_new_tokens} requested" if prompt_tokens < max_context else ""
         super().__init__(
-            f"prompt has {prompt_tokens} tokens; the model's context is {max_context} tokens"
+            f"prompt has {prompt_tokens} tokens{asked}; the model's context is {max_context} tokens"
         )
 
 
