@@ -55,18 +55,20 @@ export class RunLedger {
   constructor() {
     /** runId -> { sessionId, trigger } */
     this.runs = new Map();
-    /** sessionId -> trigger of the latest run that started in it (OpenClaw runs one at a time per session) */
-    this.latestTriggerBySession = new Map();
-    /** sessionId -> reason it ended (new, reset, deleted, compaction, ...) */
-    this.endedSessions = new Map();
+    /** sessionId -> { trigger, provider, model } of the latest run in it (OpenClaw runs one at a time per session) */
+    this.latestRunBySession = new Map();
+    /** sessions already closed since their last run: before_reset and session_end both announce one reset */
+    this.closed = new Set();
   }
 
-  /** Record a run from an agent hook context (`runId`, `sessionId`, `trigger`). */
+  /** Record a run from an agent hook context (`runId`, `sessionId`, `trigger`, `modelProviderId`, `modelId`). */
   noteRun(ctx) {
     if (!ctx || typeof ctx.runId !== "string") return;
     remember(this.runs, ctx.runId, { sessionId: ctx.sessionId, trigger: ctx.trigger });
-    if (typeof ctx.sessionId === "string" && typeof ctx.trigger === "string") {
-      remember(this.latestTriggerBySession, ctx.sessionId, ctx.trigger);
+    if (typeof ctx.sessionId === "string") {
+      remember(this.latestRunBySession, ctx.sessionId,
+        { trigger: ctx.trigger, provider: ctx.modelProviderId, model: ctx.modelId });
+      this.closed.delete(ctx.sessionId);
     }
   }
 
@@ -74,15 +76,22 @@ export class RunLedger {
     this.runs.delete(runId);
   }
 
-  noteSessionEnded(sessionId, reason) {
-    if (typeof sessionId === "string" && sessionId !== "") remember(this.endedSessions, sessionId, reason ?? "unknown");
+  /**
+   * Claim the close of a session that OpenClaw says has ended. Returns the session's latest run
+   * (`{ provider, model }` may be undefined) the first time, and null for a repeated announcement.
+   */
+  claimClose(sessionId) {
+    if (typeof sessionId !== "string" || sessionId === "" || this.closed.has(sessionId)) return null;
+    this.closed.add(sessionId);
+    if (this.closed.size > MAX_REMEMBERED) this.closed.delete(this.closed.values().next().value);
+    return this.latestRunBySession.get(sessionId) ?? {};
   }
 
   /** The trigger of the run that issued this model call: exact by run id, else the session's latest run. */
   triggerFor({ sessionId, requestId }) {
     const run = this.runs.get(runIdOfRequest(requestId));
     if (run?.trigger) return run.trigger;
-    return typeof sessionId === "string" ? this.latestTriggerBySession.get(sessionId) : undefined;
+    return typeof sessionId === "string" ? this.latestRunBySession.get(sessionId)?.trigger : undefined;
   }
 
   /**
@@ -91,12 +100,37 @@ export class RunLedger {
    */
   headersFor({ sessionId, requestId, forcedTurnType }) {
     const headers = {};
-    if (typeof sessionId === "string" && sessionId !== "") {
-      headers[SESSION_ID_HEADER] = sessionId;
-      if (this.endedSessions.has(sessionId)) headers[SESSION_DONE_HEADER] = "1";
-    }
+    if (typeof sessionId === "string" && sessionId !== "") headers[SESSION_ID_HEADER] = sessionId;
     const turnType = forcedTurnType ?? turnTypeForTrigger(this.triggerFor({ sessionId, requestId }));
     if (turnType) headers[TURN_TYPE_HEADER] = turnType;
     return headers;
   }
+}
+
+/**
+ * The request that tells clawrl a session ended. OpenClaw sends no model request after `/new`,
+ * `/reset` or a deletion, so the plugin sends this one itself: a side turn of one token, in the
+ * ended session, carrying `X-Session-Done: 1`. Only parameters clawrl implements are used.
+ */
+export function sessionCloseRequest({ baseUrl, apiKey, model, sessionId, reason }) {
+  const headers = {
+    "Content-Type": "application/json",
+    [SESSION_ID_HEADER]: sessionId,
+    [TURN_TYPE_HEADER]: "side",
+    [SESSION_DONE_HEADER]: "1",
+  };
+  if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
+  return {
+    url: `${baseUrl.replace(/\/+$/, "")}/chat/completions`,
+    init: {
+      method: "POST",
+      headers,
+      body: JSON.stringify({
+        model,
+        messages: [{ role: "user", content: `[OpenClaw session ended: ${reason ?? "unknown"}]` }],
+        max_completion_tokens: 1,
+        stream: false,
+      }),
+    },
+  };
 }
