@@ -4,7 +4,9 @@ deterministically, so tests can assert what a real engine returns end to end."""
 from __future__ import annotations
 
 import json
+import asyncio
 import os
+import shutil
 import socket
 import threading
 import time
@@ -77,9 +79,10 @@ def build_tiny_model(out: Path, max_steps: int = 150, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    out = Path(out)
-    if (out / "model.safetensors").exists():
-        return out
+    final = Path(out)
+    if (final / "model.safetensors").exists():
+        return final
+    out = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
     torch.manual_seed(seed)
@@ -126,7 +129,11 @@ def build_tiny_model(out: Path, max_steps: int = 150, seed: int = 0) -> Path:
     model.eval()
     model.save_pretrained(out)
     (out / "train_log.txt").write_text(f"steps {steps} loss {loss.item():.4f}\n")
-    return out
+    try:
+        os.replace(out, final)  # atomic: a concurrent test run sees no half-written model
+    except OSError:
+        shutil.rmtree(out, ignore_errors=True)  # another run finished first
+    return final
 
 
 def free_port() -> int:
@@ -170,3 +177,54 @@ def model_cache_dir() -> Path:
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
     root = Path(os.environ.get("CLAWRL_TEST_CACHE", Path.home() / ".cache" / "clawrl-tests"))
     return root / f"gateway-tiny-{digest}"
+
+
+def load_tiny(path: Path, name: str = "tiny"):
+    from clawrl.engines.loading import load_model
+
+    return load_model(str(path), device="cpu", dtype="float32", name=name)
+
+
+def make_controlled_engine(loaded, engine_cfg):
+    """The real TorchEngine with knobs for deterministic error paths (never for behaviour claims):
+    hold streams at a gate (overload), force long outputs and pace them (disconnect), fail."""
+    from dataclasses import replace
+
+    from clawrl.engines.torch_engine import TorchEngine
+
+    class ControlledEngine(TorchEngine):
+        def __init__(self):
+            super().__init__(loaded, engine_cfg)
+            self.released = threading.Event()
+            self.released.set()
+            self.force_long = False
+            self.chunk_delay = 0.0
+            self.fail_on_open: Exception | None = None
+            self.fail_mid_stream: Exception | None = None
+            self.aborted: list[str] = []
+
+        def stream(self, prompt_ids, params, request_id=None):
+            if self.fail_on_open is not None:
+                raise self.fail_on_open
+            if self.force_long:
+                params = replace(params, ignore_eos=True)
+            return self._paced(super().stream(prompt_ids, params, request_id))
+
+        async def _paced(self, inner):
+            try:
+                async for chunk in inner:
+                    while not self.released.is_set():
+                        await asyncio.sleep(0.01)
+                    yield chunk
+                    if self.fail_mid_stream is not None:
+                        raise self.fail_mid_stream
+                    if self.chunk_delay:
+                        await asyncio.sleep(self.chunk_delay)
+            finally:
+                await inner.aclose()
+
+        async def abort(self, request_id):
+            self.aborted.append(request_id)
+            return await super().abort(request_id)
+
+    return ControlledEngine()

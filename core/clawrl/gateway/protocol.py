@@ -36,7 +36,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-# Implemented parameters. ``session_id`` is clawrl's own (the X-Session-Id header wins over it).
+# Implemented parameters. ``session_id`` is clawrl's own (read by ``SessionHints``; the
+# X-Session-Id header wins over it). ``store`` is accepted for client compatibility only:
+# clawrl stores every turn, which is its purpose.
 SUPPORTED = {
     "model", "messages", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "stop",
     "n", "seed", "tools", "tool_choice", "logprobs", "top_logprobs", "stream", "stream_options",
@@ -77,7 +79,6 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
-    session_id: str | None = None
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -266,7 +267,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
     if opts is not None and not stream:
         raise bad_request("'stream_options' needs 'stream': true", param="stream_options")
     tools = _tools(body.get("tools"))
-    _bool(body, "store", False)  # accepted for client compatibility: clawrl stores every turn anyway
+    _bool(body, "store", False)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -285,5 +286,4 @@ def parse_chat_request(body: dict) -> ChatRequest:
         stream=stream,
         include_usage=bool(opts and _bool(opts, "include_usage", False)),
         user=_str(body, "user"),
-        session_id=_str(body, "session_id"),
     )
