@@ -24,7 +24,10 @@ BATCH_DECODE_MAX_CONTEXT = 2048
 
 
 class SeqKV:
-    """One sequence's KV cache: per layer a K and a V buffer ``[kv_heads, capacity, head_dim]``.
+    """One sequence's KV cache: per layer a K and a V buffer ``[capacity, kv_heads, head_dim]``.
+
+    Token-major, so a sequence's first ``n`` positions are one contiguous block (cheap to copy
+    into a padded batch or out of the prefix cache)
 
     ``length`` positions are filled. Buffers grow by doubling (bounded by ``max_tokens``), so a
     request pays for what it uses rather than for the whole context window up front.
@@ -35,15 +38,15 @@ class SeqKV:
         self.max_tokens = max_tokens
         cap = max(1, min(capacity, max_tokens))
         self.layers = [
-            (torch.empty(kv_heads, cap, head_dim, dtype=dtype, device=device),
-             torch.empty(kv_heads, cap, head_dim, dtype=dtype, device=device))
+            (torch.empty(cap, kv_heads, head_dim, dtype=dtype, device=device),
+             torch.empty(cap, kv_heads, head_dim, dtype=dtype, device=device))
             for _ in range(n_layers)
         ]
         self.length = 0
 
     @property
     def capacity(self) -> int:
-        return self.layers[0][0].shape[1]
+        return self.layers[0][0].shape[0]
 
     def ensure(self, needed: int) -> None:
         cap = self.capacity
@@ -52,10 +55,10 @@ class SeqKV:
         new_cap = max(needed, min(2 * cap, self.max_tokens))
         grown = []
         for k, v in self.layers:
-            nk = k.new_empty(k.shape[0], new_cap, k.shape[2])
-            nv = v.new_empty(v.shape[0], new_cap, v.shape[2])
-            nk[:, : self.length] = k[:, : self.length]
-            nv[:, : self.length] = v[:, : self.length]
+            nk = k.new_empty(new_cap, *k.shape[1:])
+            nv = v.new_empty(new_cap, *v.shape[1:])
+            nk[: self.length] = k[: self.length]
+            nv[: self.length] = v[: self.length]
             grown.append((nk, nv))
         self.layers = grown
 
@@ -63,8 +66,8 @@ class SeqKV:
         """Start this (empty) sequence with the first ``n`` positions of ``other``."""
         self.ensure(n)
         for (k, v), (ok, ov) in zip(self.layers, other.layers):
-            k[:, :n] = ok[:, :n]
-            v[:, :n] = ov[:, :n]
+            k[:n] = ok[:n]
+            v[:n] = ov[:n]
         self.length = n
 
 
@@ -167,10 +170,11 @@ class RaggedForward:
             for i in single:
                 seg, st, n, off = segments[i], starts[i], lens[i], offs[i]
                 kb, vb = seg.kv.layers[li]
-                kb[:, st: st + n] = k[off: off + n].transpose(0, 1)
-                vb[:, st: st + n] = v[off: off + n].transpose(0, 1)
+                kb[st: st + n] = k[off: off + n]
+                vb[st: st + n] = v[off: off + n]
                 o = F.scaled_dot_product_attention(
-                    q[off: off + n].transpose(0, 1)[None], kb[None, :, : st + n], vb[None, :, : st + n],
+                    q[off: off + n].transpose(0, 1)[None], kb[: st + n].transpose(0, 1)[None],
+                    vb[: st + n].transpose(0, 1)[None],
                     attn_mask=masks[i], is_causal=(masks[i] is None and n > 1), scale=self.scaling,
                     enable_gqa=self.kv_heads != self.n_heads,
                 )
@@ -197,10 +201,10 @@ class RaggedForward:
         keys, values = [], []
         for seg, st, kt, vt in zip(segs, starts, k, v):
             kb, vb = seg.kv.layers[li]
-            kb[:, st] = kt
-            vb[:, st] = vt
-            keys.append(kb[:, : st + 1].transpose(0, 1))
-            values.append(vb[:, : st + 1].transpose(0, 1))
+            kb[st] = kt
+            vb[st] = vt
+            keys.append(kb[: st + 1])
+            values.append(vb[: st + 1])
         kp = pad_sequence(keys, batch_first=True).transpose(1, 2)  # [B, kv_heads, L, head_dim]
         vp = pad_sequence(values, batch_first=True).transpose(1, 2)
         o = F.scaled_dot_product_attention(q[:, :, None], kp, vp, attn_mask=pad_mask, scale=self.scaling,
