@@ -1,0 +1,75 @@
+"""Vocabulary-level quantities: per-token log-probabilities and entropies from logits.
+
+These are the only functions here that see the vocabulary dimension. Everything downstream works
+on ``[T]`` per-token tensors, so a tensor-parallel trainer can swap these two for vocab-parallel
+versions (a max/sum all-reduce across vocab shards) and reuse every loss unchanged.
+
+Both compute in at least float32 (bf16 logsumexp over 150k logits loses ~2 digits) and scale the
+logits by ``1 / temperature`` first, so the logprobs match the distribution the engine sampled
+from. ``chunk_size`` bounds the float32 copy of the logits to ``chunk_size x V`` at a time; that
+bounds peak memory under ``torch.no_grad()`` (old/ref logprob recomputation). With autograd on,
+each chunk's copy is kept for backward, so chunking does not lower the training-step peak.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def _scaled_chunks(logits: torch.Tensor, temperature: float, chunk_size: int | None):
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    step = chunk_size or max(logits.shape[0], 1)
+    for start in range(0, logits.shape[0], step):
+        z = logits[start:start + step].to(dtype)
+        yield start, (z if temperature == 1.0 else z / temperature)
+
+
+def _per_token(logits: torch.Tensor, temperature: float, chunk_size: int | None,
+               fn: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    parts = [fn(start, z, torch.logsumexp(z, dim=-1)) for start, z in _scaled_chunks(logits, temperature, chunk_size)]
+    if not parts:
+        return logits.new_zeros(0, dtype=torch.promote_types(logits.dtype, torch.float32))
+    return torch.cat(parts)
+
+
+def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0,
+                   chunk_size: int | None = None) -> torch.Tensor:
+    """``log softmax(logits / temperature)[t, target_ids[t]]`` for each token, ``[T, V] -> [T]``.
+
+    Computed as ``z[target] - logsumexp(z)``: one gather and one reduction, never the full
+    ``[T, V]`` log-softmax tensor. ``logits[t]`` must be the prediction for ``target_ids[t]``
+    (the caller shifts by one).
+    """
+    if target_ids.shape != logits.shape[:1]:
+        raise ValueError(f"target_ids must be [T]={logits.shape[0]}, got shape {tuple(target_ids.shape)}")
+    targets = target_ids.long()
+    if targets.numel() and (targets.min() < 0 or targets.max() >= logits.shape[-1]):
+        raise ValueError(f"target_ids must lie in [0, {logits.shape[-1]})")
+
+    def chunk(start: int, z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        t = targets[start:start + z.shape[0]].unsqueeze(-1)
+        return z.gather(-1, t).squeeze(-1) - lse
+
+    return _per_token(logits, temperature, chunk_size, chunk)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per token, ``[T, V] -> [T]``.
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, which avoids ``log p`` of tiny probabilities
+    (``0 * log 0`` would be NaN), tolerates ``-inf`` logits, and needs one chunk's softmax at a time.
+    """
+    def chunk(start: int, z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        p = torch.exp(z - lse.unsqueeze(-1))
+        # Banned tokens (logit -inf) have p = 0; 0 * -inf would be NaN in the value and the gradient.
+        finite_z = z.masked_fill(torch.isneginf(z), 0.0)
+        return lse - (p * finite_z).sum(-1)
+
+    return _per_token(logits, temperature, chunk_size, chunk)
