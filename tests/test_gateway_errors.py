@@ -1,0 +1,170 @@
+"""Error paths against a live server: overload (429), engine failures, client disconnects,
+history truncation and idle-session closing. The engine is the real TorchEngine subclassed only
+to make these paths deterministic (hold streams at a gate, force a long output, fail on demand)."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from clawrl.config import compose
+from clawrl.engines.base import EngineError
+from clawrl.gateway.app import create_app
+from clawrl.sessions import SessionLinker
+from clawrl.store import TurnStore
+
+from gateway_support import (PLAIN_ANSWER, ServerThread, build_tiny_model, load_tiny, make_controlled_engine,
+                             model_cache_dir)
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = build_tiny_model(model_cache_dir())
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = compose([f"run_dir={run_dir}", "engine.max_batch_size=1", "server.max_queue=1",
+                   "server.truncate_history=true", "engine.max_context=160", "sessions.idle_timeout_s=0.4",
+                   "engine.threads=1"])
+    engine = make_controlled_engine(load_tiny(path), cfg.engine)
+    store = TurnStore(run_dir)
+    app = create_app(cfg, engine, SessionLinker(store, cfg.sessions.idle_timeout_s))
+    with ServerThread(app) as srv:
+        srv.store, srv.engine = store, engine
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def reset_engine(server):
+    e = server.engine
+    e.released.set()
+    e.force_long, e.chunk_delay, e.fail_on_open, e.fail_mid_stream = False, 0.0, None, None
+    yield
+    e.released.set()
+
+
+def post(server, body, **kw):
+    return httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": HI, **body},
+                      timeout=60, **kw)
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def session_turns(server, sid):
+    s = server.store.get_session(sid)
+    return s["turns"] if s else []
+
+
+def test_full_queue_answers_429_with_retry_after(server):
+    import concurrent.futures as cf
+
+    server.engine.released.clear()  # the running request holds the only slot until released
+    with cf.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, server, {"temperature": 0})
+        wait_for(lambda: server.engine._live)  # it has the slot and sits at the gate
+        queued = pool.submit(post, server, {"temperature": 0})
+        wait_for(lambda: httpx.get(server.url + "/admin/status").json()["queue"]["waiting"] == 1)
+        r = post(server, {"temperature": 0})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        server.engine.released.set()
+        assert running.result(60).status_code == 200 and queued.result(60).status_code == 200
+    # the openai client sees the same answer as a RateLimitError
+    server.engine.released.clear()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with cf.ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(post, server, {}) for _ in range(2)]
+        wait_for(lambda: httpx.get(server.url + "/admin/status").json()["queue"]["waiting"] == 1)
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="tiny", messages=HI)
+        server.engine.released.set()
+        assert [f.result(60).status_code for f in futs] == [200, 200]
+
+
+def test_engine_exception_on_open_is_a_clean_json_error(server):
+    server.engine.fail_on_open = RuntimeError("CUDA fell off the bus")
+    r = post(server, {})
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "internal_error"
+    assert "CUDA" not in err["message"]  # internals are logged, not sent
+    server.engine.fail_on_open = EngineError("engine is shut down")
+    r = post(server, {})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_error"
+    server.engine.fail_on_open = None
+    assert post(server, {"temperature": 0}).status_code == 200  # and the slot was given back
+
+
+def test_engine_failure_mid_stream_is_an_sse_error_and_an_error_turn(server):
+    server.engine.fail_mid_stream = EngineError("decode step failed")
+    r = post(server, {"stream": True}, headers={"X-Session-Id": "midfail"})
+    events = [l[6:] for l in r.text.split("\n\n") if l.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_error"
+    assert session_turns(server, "midfail")[0]["status"] == "error"
+    server.engine.fail_mid_stream = EngineError("decode step failed")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(model="tiny", messages=HI, stream=True):
+            pass
+
+
+def test_client_disconnect_mid_stream_aborts_and_stores_an_aborted_turn(server):
+    server.engine.force_long, server.engine.chunk_delay = True, 0.05
+    before = len(server.engine.aborted)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      headers={"X-Session-Id": "gone-away"},
+                      json={"model": "tiny", "messages": HI, "stream": True, "max_tokens": 150}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(8)]  # a few chunks in, the client hangs up
+    assert any(l.startswith("data: ") for l in got)
+    turn = wait_for(lambda: session_turns(server, "gone-away"))[0]
+    assert turn["status"] == "aborted" and turn["trainable"] is False
+    assert 0 < turn["response_tokens"] < 150
+    assert len(server.engine.aborted) > before
+    assert wait_for(lambda: not server.engine._live)  # the engine request is gone
+    assert server.store.get_turn(turn["turn_id"])["untrainable_reason"] == "aborted"
+
+
+def test_client_disconnect_during_a_non_streaming_request_is_stored_aborted(server):
+    server.engine.released.clear()  # generation stalls until the client has given up
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/chat/completions", timeout=0.6, headers={"X-Session-Id": "gone-nonstream"},
+                   json={"model": "tiny", "messages": HI, "max_tokens": 150})
+    turn = wait_for(lambda: session_turns(server, "gone-nonstream"))[0]
+    assert turn["status"] == "aborted" and turn["response_tokens"] < 150
+    assert wait_for(lambda: not server.engine._live)
+
+
+def test_truncate_history_drops_old_turns_to_fit(server):
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+    for i in range(8):
+        msgs += [{"role": "user", "content": f"old question {i} about cats and dogs"},
+                 {"role": "assistant", "content": f"old answer {i} about cats"}]
+    msgs.append({"role": "user", "content": "Hi"})
+    r = post(server, {"messages": msgs, "temperature": 0, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    turn = server.store.get_turn(int(r.headers["x-turn-ids"]))
+    prompt = server.engine.tokenizer.decode(turn["prompt_ids"])
+    assert len(turn["prompt_ids"]) < 160
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful assistant.")
+    assert "old question 0 " not in prompt and "old answer 7" in prompt
+    assert prompt.endswith("Hi<|im_end|>\n<|im_start|>assistant\n")
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_idle_sessions_are_closed_in_the_background(server):
+    r = post(server, {"temperature": 0}, headers={"X-Session-Id": "idle-one"})
+    assert r.json()["choices"][0]["message"]["content"] == PLAIN_ANSWER
+    turn = wait_for(lambda: [t for t in session_turns(server, "idle-one") if t["close_reason"] == "idle_timeout"])
+    assert turn[0]["next_state"] is None
