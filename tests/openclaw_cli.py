@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 OPENCLAW_VERSION = os.environ.get("OPENCLAW_VERSION", "2026.9.6")
@@ -70,10 +72,92 @@ def write_provider_config(state: Path, base_url: str, api_key: str, model: str, 
     cfg_path.write_text(json.dumps(cfg, indent=1))
 
 
-def openclaw(state: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def node_path() -> Path:
+    """Node.js 24 that runs openclaw (installed on first use)."""
+    ensure_installed()
+    return _node_bin() / "node"
+
+
+def openclaw(state: Path, *args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
     entry = ensure_installed()
-    return subprocess.run([str(_node_bin() / "node"), str(entry), *args], env=_env(str(state)),
+    return subprocess.run([str(_node_bin() / "node"), str(entry), *args], env={**_env(str(state)), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
+
+
+def checked(proc: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
+    return proc
+
+
+def install_plugin(state: Path, plugin_dir: Path, plugin_id: str, conversation_access: bool = True) -> None:
+    """``openclaw plugins install DIR`` into the isolated home; optionally grant its conversation hooks."""
+    checked(openclaw(state, "plugins", "install", str(plugin_dir), "--force", "--accept-capabilities"),
+            f"openclaw plugins install {plugin_dir}")
+    if conversation_access:
+        checked(openclaw(state, "config", "set", f"plugins.entries.{plugin_id}.hooks.allowConversationAccess",
+                         "true"), "openclaw config set")
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Gateway:
+    """``openclaw gateway run`` on a loopback port for the isolated home: the path that processes slash
+    commands (``/new``) and runs heartbeats, which ``agent --local`` does not. Use as a context manager."""
+
+    def __init__(self, state: Path, port: int | None = None, token: str = "clawrl-test-gateway-token"):
+        self.state, self.port, self.token = state, port or free_loopback_port(), token
+        self.env = {"OPENCLAW_GATEWAY_TOKEN": token}
+        self.log_path = state / "gateway.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Gateway":
+        cfg_path = self.state / ".openclaw" / "openclaw.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["gateway"] = {"mode": "local", "port": self.port, "bind": "loopback",
+                          "auth": {"mode": "token", "token": self.token}}
+        # no scheduled heartbeats, and none delivered anywhere: tests wake them with system_event
+        cfg.setdefault("agents", {}).setdefault("defaults", {})["heartbeat"] = {"every": "0m", "target": "none"}
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [str(_node_bin() / "node"), str(ensure_installed()), "gateway", "run", "--port", str(self.port),
+                 "--bind", "loopback"], env={**_env(str(self.state)), **self.env}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"openclaw gateway exited: {self.log_path.read_text()[-2000:]}")
+            if openclaw(self.state, "gateway", "health", "--json", env=self.env, timeout=60).returncode == 0:
+                return self
+            time.sleep(1)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"openclaw gateway not healthy in 180 s: {self.log_path.read_text()[-2000:]}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+    def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return checked(openclaw(self.state, *args, timeout=timeout, env=self.env), "openclaw " + " ".join(args[:2]))
+
+    def agent_turn(self, session_id: str, message: str) -> dict:
+        """One turn through the Gateway (slash commands such as ``/new`` are handled there)."""
+        out = self.cli("agent", "--session-id", session_id, "--message", message, "--json").stdout
+        return json.loads(out[out.index("{"):])
+
+    def system_event(self, session_key: str, text: str) -> None:
+        """Wake a heartbeat run in ``session_key`` now (``openclaw system event --mode now``)."""
+        self.cli("system", "event", "--text", text, "--mode", "now", "--session-key", session_key, "--json")
 
 
 def agent_turn(state: Path, session_id: str, message: str, timeout: float = 180) -> dict:
