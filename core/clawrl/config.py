@@ -71,6 +71,99 @@ class SessionsConfig:
 
 
 @dataclass
+class LoraConfig:
+    # Train LoRA adapters (peft) instead of full weights; served weights have LoRA merged.
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    # Module names to adapt (peft target_modules).
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class TrainConfig:
+    # False: serve and record only, never train.
+    enabled: bool = True
+    # Ready samples per train step; training starts once this many are ready.
+    batch_size: int = 8
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    # Gradient-norm clip; 0 disables.
+    grad_clip: float = 1.0
+    # Dynamic micro-batches: most tokens (prompt + response) in one forward/backward.
+    micro_batch_tokens: int = 16384
+    gradient_checkpointing: bool = False
+    # Checkpoint every N train steps, keeping the last N (written atomically).
+    save_every: int = 10
+    keep_last: int = 3
+    # A sample whose oldest token is more than this many weight versions behind is stale.
+    max_weight_lag: int = 4
+    # Stale samples: drop (skip with a reason) | importance_weight (train with TIS weights).
+    stale_policy: str = "drop"
+    # Advantage of a live-chat sample (one per prompt): reward | ema (reward minus a running baseline).
+    baseline: str = "reward"
+    baseline_decay: float = 0.9
+    # For groups of n>1 samples per prompt: grpo (mean/std) | dr_grpo (mean only).
+    group_advantage: str = "grpo"
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    # Dual-clip constant for negative advantages; None disables.
+    dual_clip_c: Optional[float] = 3.0
+    # KL to the reference policy: coefficient (0: off), estimator k1|k2|k3, and where it goes.
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    # Rollout/trainer mismatch: TIS cap (None: off) and IcePop band [low, high] (None: off).
+    tis_cap: Optional[float] = 2.0
+    icepop_band: Optional[list] = None
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    aggregation: str = "token-mean"
+    # NaN/inf losses in a row before training pauses itself.
+    max_bad_steps: int = 3
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class TrainerConfig:
+    # torch: the built-in HF/torch trainer. megatron: megatron-core (not built yet).
+    backend: str = "torch"
+
+
+@dataclass
+class JudgeModelConfig:
+    # HF directory of the PRM judge model; None: the frozen base policy.
+    path: Optional[str] = None
+
+
+@dataclass
+class JudgeConfig:
+    # rules: explicit feedback rules (default). prm: a model judge. env: environment verdicts.
+    kind: str = "rules"
+    # Votes per turn for the PRM judge; the majority decides, ties give 0.
+    votes: int = 3
+    # Turns judged at once; a judge call slower than timeout_s is retried up to retries times.
+    concurrency: int = 2
+    timeout_s: float = 60.0
+    retries: int = 1
+    model: JudgeModelConfig = field(default_factory=JudgeModelConfig)
+
+
+@dataclass
+class WandbConfig:
+    # offline (default) | online (falls back to offline without network) | disabled
+    mode: str = "offline"
+    project: str = "clawrl"
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
 class ClawrlConfig:
     # Personal-agent method or environment: rl | opd | combine (set by each method's run.sh).
     method: str = "rl"
@@ -81,6 +174,10 @@ class ClawrlConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def all_keys(cls=ClawrlConfig, prefix: str = "") -> list[str]:
