@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,19 @@ def serve_cli(args) -> int:
         print("OpenClaw provider (paste into openclaw.json):", flush=True)
         print(json.dumps(snippet, indent=2), flush=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
-        server.run(sockets=[sock])
-        store.close()
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal into the
+        # handler it found; this one turns that into a normal exit (status 0) after cleanup.
+        stopped: list[int] = []
+        previous = {sig: signal.signal(sig, lambda s, f: stopped.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run(sockets=[sock])
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            store.close()
+        if stopped:
+            print(f"clawrl: stopped by {signal.Signals(stopped[0]).name}; every acknowledged turn is in {store.path}",
+                  flush=True)
     finally:
         sock.close()
     return 0

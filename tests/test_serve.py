@@ -1,0 +1,139 @@
+"""``clawrl serve`` as a user runs it: a subprocess on a free port, one-line refusals, the printed
+OpenClaw provider snippet, clean SIGTERM, and turns that survive ``kill -9`` and keep linking."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from clawrl.store import TurnStore
+
+from gateway_support import PLAIN_ANSWER, build_tiny_model, free_port, model_cache_dir
+
+SECRET = "sk-serve-test-5e3f9a"
+
+
+CLAWRL = [sys.executable, "-c", "import sys; from clawrl.cli import main; sys.exit(main())"]
+
+
+def run_serve(*args, timeout=60):
+    return subprocess.run([*CLAWRL, "serve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_refusal(proc) -> str:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clawrl: "), proc.stderr
+    return lines[0]
+
+
+def test_non_loopback_bind_without_a_key_is_refused():
+    line = one_line_refusal(run_serve("server.host=0.0.0.0"))
+    assert "server.api_key is required" in line
+
+
+def test_unknown_config_key_is_refused_with_the_closest_name():
+    line = one_line_refusal(run_serve("server.prot=1234"))
+    assert "server.port" in line
+
+
+def test_port_in_use_is_a_one_line_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = one_line_refusal(run_serve(f"server.port={port}", f"run_dir={tmp_path}"))
+    assert str(port) in line and "in use" in line
+
+
+class Served:
+    """A ``clawrl serve`` subprocess; output goes to a file so a full pipe can never stall it."""
+
+    def __init__(self, run_dir, model_path, port):
+        self.port, self.log = port, run_dir / f"serve-{port}.log"
+        env = {**os.environ, "CLAWRL_API_KEY": SECRET}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [*CLAWRL, "serve", f"model.path={model_path}", "model.name=tiny",
+                 f"server.port={port}", f"server.api_key={SECRET}", f"run_dir={run_dir}", "engine.threads=1"],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited {self.proc.returncode}: {self.output()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("serve did not come up: " + self.output())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def chat(self, messages, **kw):
+        r = httpx.post(self.url + "/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {SECRET}"},
+                       json={"model": "tiny", "temperature": 0, "messages": messages, **kw})
+        assert r.status_code == 200, r.text
+        return r
+
+
+@pytest.mark.slow
+def test_turn_survives_kill_9_and_the_next_request_links_across_the_restart(tmp_path):
+    model = build_tiny_model(model_cache_dir())
+    first = Served(tmp_path, model, free_port())
+    try:
+        out = first.output()
+        snippet = json.loads(out[out.index("{"): out.index("\n}\n") + 2])
+        provider = snippet["models"]["providers"]["clawrl"]
+        assert provider["baseUrl"] == f"http://127.0.0.1:{first.port}/v1"
+        assert provider["api"] == "openai-completions" and provider["models"][0]["id"] == "tiny"
+        assert provider["apiKey"] == "${CLAWRL_API_KEY}"
+        opening = [{"role": "user", "content": "Hi"}]
+        r = first.chat(opening)
+        acked_turn = int(r.headers["x-turn-ids"])
+        session = r.headers["x-session-id"]
+        streamed = first.chat([{"role": "user", "content": "Tell me a story about a cat."}], stream=True)
+        assert streamed.text.endswith("data: [DONE]\n\n")
+    finally:
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(30)
+    assert SECRET not in first.output()  # the key is never printed or logged
+
+    store = TurnStore(tmp_path, create=False)
+    acked = store.get_turn(acked_turn)
+    assert acked["status"] == "complete" and acked["response_text"] == PLAIN_ANSWER
+    assert sum(1 for _ in store.iter_turns()) == 2
+    store.close()
+
+    second = Served(tmp_path, model, free_port())
+    try:
+        follow = second.chat(opening + [{"role": "assistant", "content": PLAIN_ANSWER},
+                                        {"role": "user", "content": "What is the weather in Paris?"}])
+        assert follow.headers["x-session-id"] == session
+        status = httpx.get(second.url + "/admin/status", headers={"Authorization": f"Bearer {SECRET}"}).json()
+        assert status["turns"] == 3 and status["turns_with_next_state"] == 1
+        turns = httpx.get(f"{second.url}/admin/sessions/{session}",
+                          headers={"Authorization": f"Bearer {SECRET}"}).json()["turns"]
+        before, after = turns
+        assert before["turn_id"] == acked_turn and after["parent_turn_id"] == acked_turn
+        assert before["next_state"][0]["content"] == "What is the weather in Paris?"
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.proc.wait(30) == 0  # a clean shutdown on SIGTERM
+        assert "stopped by SIGTERM" in second.output()
+    finally:
+        if second.proc.poll() is None:
+            second.proc.kill()
+            second.proc.wait(30)
