@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
+from torch.nn.attention.bias import causal_lower_right
 
 RAGGED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 # Decoding sequences shorter than this are attended in one padded batch (see RaggedForward.forward).
@@ -125,6 +125,7 @@ class RaggedForward:
         self.kv_heads = cfg.num_key_value_heads
         self.qk_norm = hasattr(attn, "q_norm")
         self.scaling = attn.scaling
+        self._pool = _DecodePool()
 
     def new_kv(self, capacity: int, max_tokens: int) -> SeqKV:
         p = self.inner.embed_tokens.weight
@@ -155,8 +156,10 @@ class RaggedForward:
         masks = {i: self._mask(starts[i], lens[i], dev) for i in single}
         if batched:
             rows_b = torch.tensor([offs[i] for i in batched], device=dev)
-            kv_lens = torch.tensor([starts[i] + 1 for i in batched], device=dev)
-            pad_mask = (torch.arange(int(kv_lens.max()), device=dev)[None, :] < kv_lens[:, None])[:, None, None, :]
+            pos_b = torch.tensor([starts[i] for i in batched], device=dev)
+            width = max(starts[i] for i in batched) + 1
+            pad_mask = (torch.arange(width, device=dev)[None, :] <= pos_b[:, None])[:, None, None, :]
+            pool = self._pool.prepare([segments[i].kv for i in batched], [starts[i] for i in batched])
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -180,9 +183,8 @@ class RaggedForward:
                 )
                 out[off: off + n] = o[0].transpose(0, 1).reshape(n, -1)
             if batched:
-                out[rows_b] = self._batched_decode(li, [segments[i] for i in batched],
-                                                   [starts[i] for i in batched], q[rows_b], k[rows_b], v[rows_b],
-                                                   pad_mask)
+                out[rows_b] = self._batched_decode(li, [segments[i] for i in batched], [starts[i] for i in batched],
+                                                   q[rows_b], k[rows_b], v[rows_b], pool, pos_b, width, pad_mask)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         for s, n in zip(segments, lens):
@@ -196,19 +198,19 @@ class RaggedForward:
         hidden = self.inner.norm(x[torch.tensor(rows, device=dev)])
         return self.model.lm_head(hidden).float()
 
-    def _batched_decode(self, li, segs, starts, q, k, v, pad_mask) -> torch.Tensor:
+    def _batched_decode(self, li, segs, starts, q, k, v, pool, pos, width, pad_mask) -> torch.Tensor:
         """One query per sequence against its own KV, all sequences in one padded SDPA call."""
-        keys, values = [], []
         for seg, st, kt, vt in zip(segs, starts, k, v):
             kb, vb = seg.kv.layers[li]
             kb[st] = kt
             vb[st] = vt
-            keys.append(kb[: st + 1])
-            values.append(vb[: st + 1])
-        kp = pad_sequence(keys, batch_first=True).transpose(1, 2)  # [B, kv_heads, L, head_dim]
-        vp = pad_sequence(values, batch_first=True).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:, :, None], kp, vp, attn_mask=pad_mask, scale=self.scaling,
-                                           enable_gqa=self.kv_heads != self.n_heads)
+        kp, vp = pool.layers[li]
+        rows = torch.arange(len(segs), device=kp.device)
+        kp[rows, pos] = k
+        vp[rows, pos] = v
+        o = F.scaled_dot_product_attention(
+            q[:, :, None], kp[:, :width].transpose(1, 2), vp[:, :width].transpose(1, 2), attn_mask=pad_mask,
+            scale=self.scaling, enable_gqa=self.kv_heads != self.n_heads)
         return o.reshape(len(segs), -1)
 
     @staticmethod
@@ -216,4 +218,47 @@ class RaggedForward:
         """Causal mask for a chunk at offset ``start``; None when SDPA's own flags suffice."""
         if n == 1 or start == 0:
             return None  # one query sees everything; a chunk from 0 is plain causal
+        if dev.type == "cuda":  # lets SDPA pick its flash kernel instead of a dense mask
+            return causal_lower_right(n, start + n)
         return torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
+
+
+class _DecodePool:
+    """The padded ``[batch, capacity, kv_heads, head_dim]`` copy of the batched decoders' KV.
+
+    A pure cache of the sequences' own buffers (which stay authoritative): while the set of
+    decoding sequences is unchanged, each step only appends one position per sequence here,
+    instead of re-padding every sequence's whole KV. It is rebuilt when a sequence joins or
+    leaves, which in steady decoding is rare.
+    """
+
+    def __init__(self):
+        self.members: list = []
+        self.lengths: list[int] = []
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def prepare(self, kvs: list, starts: list[int]) -> "_DecodePool":
+        capacity = self.layers[0][0].shape[1] if self.layers else 0
+        reusable = (len(kvs) == len(self.members) and all(a is b for a, b in zip(kvs, self.members))
+                    and starts == self.lengths and max(starts) < capacity)
+        if not reusable:
+            self._rebuild(kvs, starts)
+        self.lengths = [st + 1 for st in starts]  # after this step's append
+        return self
+
+    def _rebuild(self, kvs: list, starts: list[int]) -> None:
+        capacity = 64
+        while capacity <= max(starts) + 16:  # headroom: appends for a while before growing
+            capacity *= 2
+        self.members = list(kvs)
+        self.layers = []
+        for li in range(len(kvs[0].layers)):
+            k0 = kvs[0].layers[li][0]
+            # zeros, not empty: padded positions are masked, but NaN garbage would still poison
+            # the attention-weighted sum (0 * NaN)
+            kp = k0.new_zeros(len(kvs), capacity, *k0.shape[1:])
+            vp = k0.new_zeros(len(kvs), capacity, *k0.shape[1:])
+            for row, (kv, st) in enumerate(zip(kvs, starts)):
+                kp[row, :st] = kv.layers[li][0][:st]
+                vp[row, :st] = kv.layers[li][1][:st]
+            self.layers.append((kp, vp))
