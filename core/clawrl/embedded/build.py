@@ -32,6 +32,7 @@ SHORT_ROWS, SHORT_LEN = 16, 256
 LONG_LEN = 4096
 LONG_EVERY = 8
 LR, WARMUP, MIN_LR_RATIO = 3e-3, 30, 0.1
+ROPE_THETA = 10_000.0
 TOKENIZER_CHATS = 6000  # short chats the tokenizer trains on, beside the English text
 MAX_POSITIONS = 32768
 
@@ -97,7 +98,7 @@ def _build_into(out: Path, seed: int, steps: int) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     try:
-        tok = _train_tokenizer(seed)
+        tok = build_tokenizer(seed)
         model = _train_model(tok, seed, steps)
         _save(model, tok, out)
         accuracy = evaluate_addition(out, n=100, seed=seed + 1)
@@ -121,7 +122,8 @@ def _versions() -> dict:
             "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
-def _train_tokenizer(seed: int):
+def build_tokenizer(seed: int = 0):
+    """The embedded tokenizer for ``seed``: trained on the corpus's short chats plus stdlib English."""
     from clawrl.embedded.corpus import short_chat
     from clawrl.embedded.english import english_paragraphs
     from clawrl.embedded.tokenizer import render_chat, train_tokenizer
@@ -186,7 +188,7 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int):
     return Qwen3Config(
         vocab_size=vocab_size, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         head_dim=32, intermediate_size=384, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, eos_token_id=eos_id, pad_token_id=pad_id,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, eos_token_id=eos_id, pad_token_id=pad_id,
         bos_token_id=None, clawrl_model_name=MODEL_NAME,
     )
 

@@ -33,9 +33,10 @@ def is_held_out(a: int, b: int) -> bool:
 
 
 def sample_pair(rng: random.Random, held_out: bool = False) -> tuple[int, int]:
-    """Operands 0-99, a third of the time both small; from the training or the held-out pairs."""
+    """Operands up to 99, small ones more often (up to 20, 50 or 99 with probability 0.3, 0.3, 0.4),
+    from the training pairs or from the held-out ones."""
     while True:
-        hi = 20 if rng.random() < 0.3 and not held_out else MAX_OPERAND
+        hi = rng.choices((20, 50, MAX_OPERAND), weights=(3, 3, 4))[0]
         a, b = rng.randint(0, hi), rng.randint(0, hi)
         if is_held_out(a, b) == held_out:
             return a, b
@@ -61,7 +62,9 @@ ADDITION_QUESTIONS = (
     "{a} plus {b}?",
     "Quick question: {a} + {b}?",
 )
-_ADDITION_ANSWERS = ("{s}", "{a} + {b} = {s}", "{a} + {b} = {s}.", "The answer is {s}.", "{a} plus {b} is {s}.", "It's {s}.")
+# Restating the operands first (most answers) lets the model look at them right before the sum.
+_ADDITION_ANSWERS = ("{s}", "{s}", "{a} + {b} = {s}", "{a} + {b} = {s}", "{a} + {b} = {s}.", "{a} + {b} = {s}.",
+                     "The answer is {s}.", "{a} plus {b} is {s}.")
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
@@ -198,22 +201,23 @@ def _hinted(rng: random.Random) -> list[dict]:
 
 
 def _corrected(rng: random.Random) -> list[dict]:
-    """A wrong answer (no loss), the user's correction, and the fixed answer."""
+    """A reply the user rejects (no loss: wrong, or right but rambling), the correction, and the fix."""
     if rng.random() < 0.6:
         a, b = sample_pair(rng)
         q = rng.choice(ADDITION_QUESTIONS).format(a=a, b=b)
         wrong = str(a + b + rng.choice((-10, -2, -1, 1, 2, 10)))
         right = rng.choice(("Sorry, {a} + {b} = {s}.", "Sorry, the answer is {s}.", "You're right, my mistake: {s}.")).format(a=a, b=b, s=a + b)
+        short = f"{a} + {b} = {a + b}."
     else:
         country, city = rng.choice(list(CAPITALS.items()))
         q = f"What is the capital of {country}?"
         wrong = rng.choice([c for c in CAPITALS.values() if c != city]) + "."
         right = rng.choice(("Sorry, the capital of {c} is {x}.", "My mistake: it is {x}.")).format(c=country, x=city)
+        short = f"{city}."
     if rng.random() < 0.25:
-        _, full, _short = _fact(rng)
-        long_wrong = full + " " + " ".join(rng.choice(_WORDS) for _ in range(12)) + "."
+        rambling = short + " " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 20))) + "."
         fix = rng.choice(("Too long. One line, please.", "Too long. Answer in one line.", "Shorter, please."))
-        return [_user(q), _assistant(long_wrong, train=False), _user(fix), _assistant(right)]
+        return [_user(q), _assistant(rambling, train=False), _user(fix), _assistant(short)]
     fix = rng.choice(("No, that's wrong.", "That's not right.", "Wrong. Try again.", "No, that's wrong. Please check again.", "That is incorrect."))
     return [_user(q), _assistant(wrong, train=False), _user(fix), _assistant(right)]
 
@@ -284,25 +288,25 @@ def _stamped(rng: random.Random, text: str) -> str:
 
 
 def _exchange(rng: random.Random, tools: list[str]) -> list[dict]:
-    r = rng.random()
-    if tools and r < 0.4:
+    """One exchange; additions are over half of them because adding is the skill we measure."""
+    if tools and rng.random() < 0.4:
         return _tool_use(rng, rng.choice(tools))
     r = rng.random()
-    if r < 0.45:
+    if r < 0.55:
         q, a, _ = _addition(rng)
         return [_user(q), _assistant(a)]
-    if r < 0.60:
+    if r < 0.67:
         q, a, _ = _fact(rng)
         return [_user(q), _assistant(a)]
-    if r < 0.72:
+    if r < 0.77:
         return _small_talk(rng)
-    if r < 0.88:
+    if r < 0.9:
         return _hinted(rng)
     return _corrected(rng)
 
 
 def _chat(rng: random.Random, system: str | None, turns: int) -> Chat:
-    tools = rng.sample(sorted(TOOLS), rng.randint(1, 4)) if rng.random() < 0.2 else []
+    tools = rng.sample(sorted(TOOLS), rng.randint(1, 4)) if rng.random() < 0.15 else []
     messages = [{"role": "system", "content": system}] if system else []
     for _ in range(turns):
         ex = _exchange(rng, tools)
