@@ -24,7 +24,7 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(model_dirs):
-    return load_model(str(model_dirs[0]))
+    return load_model(str(model_dirs[0]), device="cpu")
 
 
 @contextlib.asynccontextmanager
@@ -333,8 +333,8 @@ def test_max_batch_size_queues_the_rest(loaded):
 
 
 def test_update_weights_mid_generation_switches_version_once(model_dirs):
-    a = load_model(str(model_dirs[0]))
-    b = load_model(str(model_dirs[1]))
+    a = load_model(str(model_dirs[0]), device="cpu")
+    b = load_model(str(model_dirs[1]), device="cpu")
     new_state = {k: v.clone() for k, v in b.model.state_dict().items()}
     p = prompts(1, vocab(a), seed=19)[0]
     params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
@@ -353,14 +353,14 @@ def test_update_weights_mid_generation_switches_version_once(model_dirs):
     before, versions, after, health = run(go())
     switch = versions.index(1)
     assert 0 < switch < len(versions) and versions == [0] * switch + [1] * (len(versions) - switch)
-    assert before.token_ids == hf_greedy(load_model(str(model_dirs[0])).model, p, 16)
+    assert before.token_ids == hf_greedy(load_model(str(model_dirs[0]), device="cpu").model, p, 16)
     assert after.token_ids == hf_greedy(b.model, p, 16) != before.token_ids
     assert after.weight_versions == [1] * 16 and after.cached_prompt_tokens == 0  # cache was flushed
     assert health["weight_version"] == 1
 
 
 def test_update_weights_rejects_bad_state_and_keeps_serving(model_dirs):
-    a = load_model(str(model_dirs[0]))
+    a = load_model(str(model_dirs[0]), device="cpu")
     p = prompts(1, vocab(a), seed=20)[0]
     name, w = next(iter(a.model.state_dict().items()))
 

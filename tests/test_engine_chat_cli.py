@@ -20,7 +20,7 @@ def clawrl(*args: str) -> subprocess.CompletedProcess:
 
 def test_chat_prints_the_greedy_reply_of_the_model_dir(tmp_path):
     path = make_model_dir(tmp_path / "m", "qwen3")
-    lm = load_model(str(path))
+    lm = load_model(str(path), device="cpu")
     ids = render_prompt(lm.tokenizer, "What is 7+5?")
     assert lm.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     reply = []
@@ -32,7 +32,7 @@ def test_chat_prints_the_greedy_reply_of_the_model_dir(tmp_path):
             reply.append(nxt)
     expected = lm.tokenizer.decode(reply, skip_special_tokens=True).strip()
 
-    out = clawrl("chat", "What is 7+5?", f"model.path={path}", "engine.threads=1", "--max-tokens", "8")
+    out = clawrl("chat", "What is 7+5?", f"model.path={path}", "model.device=cpu", "engine.threads=1", "--max-tokens", "8")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected
 

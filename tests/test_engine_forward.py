@@ -18,7 +18,7 @@ from engine_testing import make_model_dir
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_ragged_forward_matches_hf_logits(tmp_path, arch):
-    lm = load_model(str(make_model_dir(tmp_path / arch, arch)))
+    lm = load_model(str(make_model_dir(tmp_path / arch, arch)), device="cpu")
     model = lm.model
     assert unsupported_reason(model) is None
     rf = RaggedForward(model)
@@ -48,7 +48,7 @@ def test_ragged_forward_matches_hf_logits(tmp_path, arch):
 
 
 def test_unsupported_architecture_serves_through_generic_hf_path(tmp_path):
-    lm = load_model(str(make_model_dir(tmp_path / "gpt2", "gpt2")))
+    lm = load_model(str(make_model_dir(tmp_path / "gpt2", "gpt2")), device="cpu")
     assert "gpt2" in unsupported_reason(lm.model)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, lm.model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 14)]

@@ -6,6 +6,8 @@ transformers can run, so an unusual model still serves rather than being refused
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from clawrl.engines.ragged import Segment
@@ -26,6 +28,9 @@ class HFForward:
 
     def __init__(self, model):
         self.model = model
+        # transformers renamed past_key_values to cache (5.2x); pass whichever this version takes
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def new_kv(self, capacity: int, max_tokens: int) -> HFSeqKV:
         return HFSeqKV(self.model.config)
@@ -37,7 +42,8 @@ class HFForward:
         ids = torch.tensor([seg.ids], dtype=torch.long, device=dev)
         pos = torch.arange(seg.kv.length, seg.kv.length + n, device=dev)[None]
         mask = torch.ones(1, seg.kv.length + n, dtype=torch.long, device=dev)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=seg.kv.cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         **{self.cache_kwarg: seg.kv.cache})
         seg.kv.length += n
         rows = torch.tensor(seg.logit_rows, dtype=torch.long, device=dev)
         return out.logits[0, rows].float()
