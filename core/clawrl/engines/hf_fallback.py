@@ -32,6 +32,9 @@ class HFForward:
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
+    def release(self) -> None:
+        """Nothing is kept between steps."""
+
     def new_kv(self, capacity: int, max_tokens: int) -> HFSeqKV:
         return HFSeqKV(self.model.config)
 

@@ -127,6 +127,10 @@ class RaggedForward:
         self.scaling = attn.scaling
         self._pool = _DecodePool()
 
+    def release(self) -> None:
+        """Drop step-to-step state (the padded decode batch) when the engine goes idle."""
+        self._pool = _DecodePool()
+
     def new_kv(self, capacity: int, max_tokens: int) -> SeqKV:
         p = self.inner.embed_tokens.weight
         return SeqKV(self.n_layers, self.kv_heads, self.head_dim, p.dtype, p.device, capacity, max_tokens)

@@ -265,6 +265,8 @@ class TorchEngine(Engine):
                     self._admit()
                     if self._running:
                         self._step()
+                        if not self._running:
+                            self.runner.release()
                 self._flush_outbox()
 
     def _apply(self, cmd) -> bool:
