@@ -1,0 +1,628 @@
+"""The rollout buffer: turns become judged, trainable samples, each trained exactly once.
+
+Lifecycle of a sample (table ``samples`` in the turn store's SQLite file)::
+
+    pending -> judged -> ready -> consumed -> trained
+        \\________\\_______\\_________\\-----> skipped (with a reason)
+
+- **pending**: created by :meth:`RolloutBuffer.sync` for every *closed* turn. A turn that is not a
+  main, complete, trainable turn closed with a next state is created directly as skipped with
+  its reason: ``side_turn``, ``excluded`` (admin), ``untrainable:<reason>`` (aborted, error,
+  secret_redacted, empty_response), ``no_next_state`` (closed by session end or idle timeout).
+  So no turn disappears: each ends trained, or skipped with a recorded reason.
+- **judged**: the :class:`JudgeWorker` stored a verdict (reward = its score, every vote in table
+  ``votes``). Garbage, timeouts and judge errors, after ``judge.retries`` retries, skip the sample
+  (``judge_garbage``, ``judge_timeout``, ``judge_error``). A verdict *without signal* (the rules
+  judge saw no explicit feedback, no environment verdict applied) is skipped as ``no_signal``:
+  its 0 means "unknown", and training on it as a neutral reward would teach the policy that
+  unremarked replies are average -- while under the default ``train.baseline=reward`` it would
+  produce a zero advantage and train nothing anyway. A judge model's considered 0 is kept.
+- **ready**: the advantage is set. Samples of one prompt (same prompt ids, e.g. ``n > 1``
+  choices of one request) form a GRPO group, normalised with ``train.group_advantage``; a group
+  waits until every turn of that request is closed and judged. A live-chat turn (group of one)
+  gets ``reward`` (``train.baseline=reward``) or ``reward - EMA`` (``train.baseline=ema``, decay
+  ``train.baseline_decay``, the EMA state kept in the store so it survives restarts) -- never a
+  normalised group of one, which would always be 0.
+- **consumed**: handed to the trainer by :meth:`RolloutBuffer.take_batch` (one transaction, so
+  two takers -- threads or processes -- never get the same sample). At take time an admin
+  relabel (excluded, side) skips the sample, and staleness is applied: the lag is
+  ``current_version - min(per-token weight versions)``; beyond ``train.max_weight_lag`` a sample
+  is skipped as ``stale`` (``stale_policy=drop``) or kept (``importance_weight``: the trainer's
+  truncated importance sampling uses the exact per-token rollout logprobs).
+- **trained**: :meth:`RolloutBuffer.mark_trained` after the optimiser step, with the step and the
+  new weight version. After a restart from a checkpoint at step S,
+  :meth:`RolloutBuffer.requeue_after_restore` returns consumed samples and samples trained in
+  steps after S to ready, so each sample trains exactly once in the surviving model lineage.
+
+The buffer has its own schema version (``meta.buffer_schema_version``) so the store's schema and
+its migrations stay the store's own.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from clawrl.config import JudgeConfig, TrainConfig
+from clawrl.judges.base import Judge, JudgeInput, Verdict, Vote
+from clawrl.losses import GROUP_MODES, RunningBaseline, group_advantages
+from clawrl.samples import Sample
+from clawrl.store import TurnStore, unpack
+
+log = logging.getLogger(__name__)
+
+STATES = ("pending", "judged", "ready", "consumed", "trained", "skipped")
+STALE_POLICIES = ("drop", "importance_weight")
+BASELINES = ("reward", "ema")
+
+_SCHEMA = [
+    # version 1
+    """
+    CREATE TABLE samples (
+        sample_id       INTEGER PRIMARY KEY AUTOINCREMENT,
+        turn_id         INTEGER NOT NULL UNIQUE REFERENCES turns(turn_id),
+        group_id        TEXT NOT NULL,       -- hash of the prompt ids: samples of one prompt form a GRPO group
+        request_key     TEXT NOT NULL,       -- the turn's request key: its sibling choices share it
+        state           TEXT NOT NULL CHECK (state IN ('pending','judged','ready','consumed','trained','skipped')),
+        skip_reason     TEXT,
+        judge_kind      TEXT,
+        verdict         INTEGER,             -- the judge's majority score (also for no_signal)
+        reward          REAL,
+        advantage       REAL,
+        weight_lag      INTEGER,             -- at take time: current version - oldest token's version
+        consumed_version INTEGER,
+        train_step      INTEGER,
+        trained_version INTEGER,
+        requeues        INTEGER NOT NULL DEFAULT 0,
+        created_at      REAL NOT NULL,
+        judged_at       REAL,
+        consumed_at     REAL,
+        done_at         REAL                 -- trained or skipped
+    );
+    CREATE INDEX samples_by_state ON samples (state, sample_id);
+    CREATE INDEX samples_by_group ON samples (group_id, state);
+    CREATE TABLE votes (
+        vote_id    INTEGER PRIMARY KEY AUTOINCREMENT,
+        sample_id  INTEGER NOT NULL REFERENCES samples(sample_id),
+        attempt    INTEGER NOT NULL,         -- 1 + the retry it came from
+        vote_index INTEGER NOT NULL,
+        judge_kind TEXT NOT NULL,
+        score      INTEGER,                  -- NULL: garbage, timeout or error (see rationale)
+        rationale  TEXT NOT NULL,
+        raw        TEXT NOT NULL,
+        at         REAL NOT NULL
+    );
+    CREATE INDEX votes_by_sample ON votes (sample_id);
+    """,
+]
+_META_VERSION = "buffer_schema_version"
+_META_SCAN = "buffer_scan_from"  # every turn below this id is closed and has its sample
+_META_BASELINE = "buffer_baseline"
+
+
+def turn_skip_reason(turn_type: str, trainable: int, untrainable_reason: Optional[str],
+                     close_reason: Optional[str]) -> Optional[str]:
+    """Why a closed turn cannot be a training sample, or None if it can."""
+    if turn_type == "side":
+        return "side_turn"
+    if untrainable_reason == "excluded_by_admin":
+        return "excluded"
+    if not trainable:
+        return f"untrainable:{untrainable_reason}"
+    if close_reason != "next_state":
+        return "no_next_state"
+    return None
+
+
+def _group_id(prompt_blob: Optional[bytes], turn_id: int) -> str:
+    if prompt_blob is None:  # stored without tokens (secret): never trains, a group of its own
+        return f"turn-{turn_id}"
+    return hashlib.sha256(prompt_blob).hexdigest()[:24]
+
+
+class RolloutBuffer:
+    """Samples on the turn store (see the module docstring). Methods are synchronous SQLite
+    transactions; from the event loop call them with ``asyncio.to_thread``."""
+
+    def __init__(self, store: TurnStore, train: TrainConfig):
+        if train.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"train.stale_policy must be one of {', '.join(STALE_POLICIES)}, not {train.stale_policy!r}")
+        if train.baseline not in BASELINES:
+            raise ValueError(f"train.baseline must be one of {', '.join(BASELINES)}, not {train.baseline!r}")
+        if train.group_advantage not in GROUP_MODES:
+            raise ValueError(f"train.group_advantage must be one of {', '.join(GROUP_MODES)}, "
+                             f"not {train.group_advantage!r}")
+        if train.max_weight_lag < 0:
+            raise ValueError("train.max_weight_lag must be >= 0")
+        self.store = store
+        self.train = train
+        self._migrate()
+
+    # --- schema --------------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        with self.store._tx() as c:
+            row = c.execute("SELECT value FROM meta WHERE key = ?", (_META_VERSION,)).fetchone()
+            version = int(row[0]) if row else 0
+            if version > len(_SCHEMA):
+                raise ValueError(f"{self.store.path} has buffer schema {version}; this clawrl knows {len(_SCHEMA)}")
+            for i in range(version, len(_SCHEMA)):
+                for stmt in _SCHEMA[i].split(";"):
+                    if stmt.strip():
+                        c.execute(stmt)
+                log.info("rollout buffer tables in %s migrated to version %d", self.store.path, i + 1)
+            c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                      (_META_VERSION, str(len(_SCHEMA))))
+
+    @staticmethod
+    def _meta(c, key: str) -> Optional[str]:
+        row = c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    @staticmethod
+    def _set_meta(c, key: str, value: str) -> None:
+        c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                  (key, value))
+
+    # --- creating samples ----------------------------------------------------------------------
+
+    def sync(self, now: Optional[float] = None) -> int:
+        """Create a sample for every newly closed turn and promote groups that became complete.
+
+        Returns how many samples were created. Cheap to call often: it scans only from the oldest
+        turn that was still open last time.
+        """
+        now = time.time() if now is None else now
+        skipped = []
+        with self.store._tx() as c:
+            scan_from = int(self._meta(c, _META_SCAN) or 0)
+            rows = c.execute(
+                "SELECT turn_id, turn_type, trainable, untrainable_reason, close_reason, prompt_ids, request_key "
+                "FROM turns t WHERE turn_id >= ? AND close_reason IS NOT NULL "
+                "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.turn_id = t.turn_id) ORDER BY turn_id",
+                (scan_from,),
+            ).fetchall()
+            for turn_id, turn_type, trainable, reason, close_reason, prompt_blob, request_key in rows:
+                skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
+                c.execute(
+                    "INSERT INTO samples (turn_id, group_id, request_key, state, skip_reason, created_at, done_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (turn_id, _group_id(prompt_blob, turn_id), request_key, "skipped" if skip else "pending", skip,
+                     now, now if skip else None),
+                )
+                if skip:
+                    skipped.append((turn_id, skip, close_reason))
+            low = c.execute(
+                "SELECT COALESCE((SELECT MIN(turn_id) FROM turns WHERE close_reason IS NULL AND turn_id >= ?), "
+                "(SELECT MAX(turn_id) + 1 FROM turns), ?)",
+                (scan_from, scan_from),
+            ).fetchone()[0]
+            self._set_meta(c, _META_SCAN, str(low))
+            ready = self._promote(c, now)
+        for turn_id, reason, close_reason in skipped:
+            log.info("turn %d skipped: %s (closed by %s)", turn_id, reason, close_reason)
+        self._log_ready(ready)
+        if rows:
+            log.info("%d new sample(s): %d pending, %d skipped", len(rows), len(rows) - len(skipped), len(skipped))
+        return len(rows)
+
+    # --- judging -------------------------------------------------------------------------------
+
+    def pending_inputs(self, limit: int, exclude: Iterable[int] = ()) -> list[tuple[int, JudgeInput]]:
+        """Up to ``limit`` pending samples (oldest first, not in ``exclude``) with what the judge
+        needs. A sample whose turn was relabelled (excluded, side) since is skipped here instead."""
+        exclude = set(exclude)
+        out, relabelled = [], []
+        rows = self.store._conn().execute(
+            "SELECT s.sample_id, t.turn_id, t.turn_type, t.trainable, t.untrainable_reason, t.close_reason, "
+            "t.messages, t.response_text, t.tool_calls, t.next_state FROM samples s JOIN turns t ON t.turn_id = s.turn_id "
+            "WHERE s.state = 'pending' ORDER BY s.sample_id"
+        )
+        for sid, turn_id, turn_type, trainable, reason, close_reason, messages, text, calls, next_state in rows:
+            if sid in exclude:
+                continue
+            skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
+            if skip:
+                relabelled.append((sid, skip))
+                continue
+            out.append((sid, JudgeInput.from_turn({
+                "turn_id": turn_id, "messages": json.loads(messages), "response_text": text,
+                "tool_calls": json.loads(calls) if calls else None, "next_state": json.loads(next_state),
+            })))
+            if len(out) >= limit:
+                break
+        for sid, reason in relabelled:
+            self._skip_if_open(sid, reason)
+        return out
+
+    def _skip_if_open(self, sample_id: int, reason: str) -> None:
+        with self.store._tx() as c:
+            n = c.execute("UPDATE samples SET state = 'skipped', skip_reason = ?, done_at = ? "
+                          "WHERE sample_id = ? AND state IN ('pending', 'judged', 'ready')",
+                          (reason, time.time(), sample_id)).rowcount
+        if n:
+            log.info("sample %d skipped: %s (relabelled after sampling)", sample_id, reason)
+
+    @staticmethod
+    def _insert_votes(c, sample_id: int, kind: str, votes: Sequence[tuple[int, Vote]], now: float) -> None:
+        for i, (attempt, v) in enumerate(votes):
+            c.execute(
+                "INSERT INTO votes (sample_id, attempt, vote_index, judge_kind, score, rationale, raw, at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (sample_id, attempt, i, kind, v.score, v.rationale, v.raw, now),
+            )
+
+    def record_verdict(self, sample_id: int, verdict: Verdict, attempt: int = 1,
+                       earlier: Sequence[tuple[int, Vote]] = (), now: Optional[float] = None) -> str:
+        """Store a verdict reached on ``attempt``, its votes and the (attempt, vote) pairs of earlier
+        failed attempts. Returns the sample's new state (ready, judged, or skipped as no_signal)."""
+        now = time.time() if now is None else now
+        all_votes = list(earlier) + [(attempt, v) for v in verdict.votes]
+        with self.store._tx() as c:
+            self._insert_votes(c, sample_id, verdict.kind, all_votes, now)
+            if not verdict.signal:
+                state = self._finish_skip(c, sample_id, "no_signal", now, verdict=verdict.score, kind=verdict.kind)
+                ready = []
+            else:
+                n = c.execute(
+                    "UPDATE samples SET state = 'judged', judge_kind = ?, verdict = ?, reward = ?, judged_at = ? "
+                    "WHERE sample_id = ? AND state = 'pending'",
+                    (verdict.kind, verdict.score, float(verdict.score), now, sample_id),
+                ).rowcount
+                state = "judged" if n else self._state(c, sample_id)
+                ready = self._promote(c, now)
+                if any(r[0] == sample_id for r in ready):
+                    state = "ready"
+        scores = ", ".join("?" if v.score is None else f"{v.score:+d}" for _, v in all_votes)
+        log.info("sample %d judged %+d by %s (votes %s): %s -> %s", sample_id, verdict.score, verdict.kind, scores,
+                 verdict.rationale[:200], state if state != "skipped" else "skipped: no_signal")
+        self._log_ready(ready)
+        return state
+
+    def record_failure(self, sample_id: int, reason: str, kind: str, votes: Sequence[tuple[int, Vote]] = (),
+                       now: Optional[float] = None) -> None:
+        """The judge never gave a usable verdict: keep its votes, skip the sample with ``reason``."""
+        now = time.time() if now is None else now
+        with self.store._tx() as c:
+            self._insert_votes(c, sample_id, kind, votes, now)
+            self._finish_skip(c, sample_id, reason, now, kind=kind)
+        log.warning("sample %d skipped: %s after %d attempt(s) (%s)", sample_id, reason,
+                    len({a for a, _ in votes}) or 1, "; ".join(v.rationale[:80] for _, v in votes[-3:]))
+
+    def _finish_skip(self, c, sample_id: int, reason: str, now: float, verdict: Optional[int] = None,
+                     kind: Optional[str] = None) -> str:
+        n = c.execute(
+            "UPDATE samples SET state = 'skipped', skip_reason = ?, done_at = ?, verdict = COALESCE(?, verdict), "
+            "judge_kind = COALESCE(?, judge_kind) WHERE sample_id = ? AND state IN ('pending', 'judged', 'ready')",
+            (reason, now, verdict, kind, sample_id),
+        ).rowcount
+        return "skipped" if n else self._state(c, sample_id)
+
+    @staticmethod
+    def _state(c, sample_id: int) -> str:
+        row = c.execute("SELECT state FROM samples WHERE sample_id = ?", (sample_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no sample with id {sample_id}")
+        return row[0]
+
+    # --- advantages ----------------------------------------------------------------------------
+
+    def _load_baseline(self, c) -> RunningBaseline:
+        rb = RunningBaseline(self.train.baseline_decay)
+        state = self._meta(c, _META_BASELINE)
+        if state:
+            rb.load_state_dict(json.loads(state))
+            rb.decay = float(self.train.baseline_decay)  # the configured decay applies from now on
+        return rb
+
+    def _promote(self, c, now: float) -> list[tuple]:
+        """Give judged samples of complete groups their advantage and make them ready.
+
+        A group is complete when no sample of it is pending and every turn sharing its request
+        key has a sample (a sibling choice still open may yet be judged).
+        """
+        rows = c.execute(
+            "SELECT s.sample_id, s.turn_id, s.group_id, s.reward FROM samples s WHERE s.state = 'judged' "
+            "AND NOT EXISTS (SELECT 1 FROM samples p WHERE p.group_id = s.group_id AND p.state = 'pending') "
+            "AND NOT EXISTS (SELECT 1 FROM turns t WHERE t.request_key = s.request_key "
+            "                AND NOT EXISTS (SELECT 1 FROM samples q WHERE q.turn_id = t.turn_id)) "
+            "ORDER BY s.sample_id"
+        ).fetchall()
+        if not rows:
+            return []
+        group_index = {g: i for i, g in enumerate(dict.fromkeys(r[2] for r in rows))}
+        rewards = torch.tensor([r[3] for r in rows], dtype=torch.float64)
+        gids = torch.tensor([group_index[r[2]] for r in rows], dtype=torch.int64)
+        sizes = torch.bincount(gids)[gids]
+        ema = self.train.baseline == "ema"
+        rb = self._load_baseline(c) if ema else None
+        adv = group_advantages(rewards, gids, mode=self.train.group_advantage,
+                               singleton_baseline=rb.value if ema else 0.0)
+        if ema:
+            rb.update(rewards[sizes == 1].tolist())
+            self._set_meta(c, _META_BASELINE, json.dumps(rb.state_dict()))
+        out = []
+        for (sid, turn_id, _, reward), a, size in zip(rows, adv.tolist(), sizes.tolist()):
+            c.execute("UPDATE samples SET state = 'ready', advantage = ? WHERE sample_id = ?", (a, sid))
+            out.append((sid, turn_id, reward, a, size))
+        return out
+
+    def _log_ready(self, ready: list[tuple]) -> None:
+        for sid, turn_id, reward, adv, size in ready:
+            how = f"group of {size}, {self.train.group_advantage}" if size > 1 else f"baseline {self.train.baseline}"
+            log.info("sample %d (turn %d) ready: reward %+.0f, advantage %+.3f (%s)", sid, turn_id, reward, adv, how)
+
+    # --- training ------------------------------------------------------------------------------
+
+    def take_batch(self, n: int, current_version: int) -> list[Sample]:
+        """Atomically mark up to ``n`` ready samples consumed (oldest first) and return them.
+
+        Samples relabelled since they were judged are skipped (``excluded``, ``side_turn``); stale
+        ones (oldest token more than ``train.max_weight_lag`` versions behind ``current_version``)
+        are skipped as ``stale`` under ``stale_policy=drop``. Neither counts towards ``n``.
+        """
+        if n < 1:
+            return []
+        now = time.time()
+        out: list[Sample] = []
+        skipped: list[tuple[int, int, str]] = []
+        with self.store._tx() as c:
+            last = 0
+            while len(out) < n:
+                rows = c.execute(
+                    "SELECT s.sample_id, s.turn_id, s.group_id, s.reward, s.advantage, s.judge_kind, t.turn_type, "
+                    "t.trainable, t.untrainable_reason, t.close_reason, t.prompt_ids, t.response_ids, t.logprobs, "
+                    "t.weight_versions FROM samples s JOIN turns t ON t.turn_id = s.turn_id "
+                    "WHERE s.state = 'ready' AND s.sample_id > ? ORDER BY s.sample_id LIMIT ?",
+                    (last, n - len(out)),
+                ).fetchall()
+                if not rows:
+                    break
+                for (sid, turn_id, group_id, reward, adv, kind, turn_type, trainable, reason, close_reason,
+                     p_blob, r_blob, lp_blob, v_blob) in rows:
+                    last = sid
+                    skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
+                    versions = unpack(v_blob, "q") or []
+                    lag = current_version - min(versions) if versions else 0
+                    if skip is None and lag > self.train.max_weight_lag and self.train.stale_policy == "drop":
+                        skip = "stale"
+                    if skip:
+                        c.execute("UPDATE samples SET state = 'skipped', skip_reason = ?, weight_lag = ?, done_at = ? "
+                                  "WHERE sample_id = ?", (skip, lag, now, sid))
+                        skipped.append((sid, turn_id, skip if skip != "stale" else f"stale (lag {lag})"))
+                        continue
+                    c.execute("UPDATE samples SET state = 'consumed', weight_lag = ?, consumed_version = ?, "
+                              "consumed_at = ? WHERE sample_id = ?", (lag, current_version, now, sid))
+                    out.append(Sample(
+                        sample_id=sid, turn_id=turn_id, group_id=group_id, prompt_ids=unpack(p_blob, "i"),
+                        response_ids=unpack(r_blob, "i"), rollout_logprobs=unpack(lp_blob, "d"),
+                        weight_versions=versions, reward=float(reward), advantage=float(adv),
+                        extra={"weight_lag": lag, "judge_kind": kind},
+                    ))
+        for sid, turn_id, why in skipped:
+            log.info("sample %d (turn %d) skipped at take time: %s", sid, turn_id, why)
+        if out:
+            stale = sum(s.extra["weight_lag"] > self.train.max_weight_lag for s in out)
+            log.info("took %d sample(s) for training at weight version %d%s", len(out), current_version,
+                     f" ({stale} beyond max_weight_lag, kept for importance weighting)" if stale else "")
+        return out
+
+    def mark_trained(self, sample_ids: Sequence[int], train_step: int, weight_version: int) -> None:
+        """Consumed samples were trained in ``train_step``, producing ``weight_version``. All or none."""
+        ids = list(dict.fromkeys(sample_ids))
+        now = time.time()
+        with self.store._tx() as c:
+            states = self._states(c, ids)
+            wrong = {sid: st for sid, st in states.items() if st != "consumed"}
+            if wrong:
+                raise ValueError("only consumed samples can be marked trained; "
+                                 + ", ".join(f"{sid} is {st}" for sid, st in sorted(wrong.items())))
+            c.executemany("UPDATE samples SET state = 'trained', train_step = ?, trained_version = ?, done_at = ? "
+                          "WHERE sample_id = ?", [(train_step, weight_version, now, sid) for sid in ids])
+        log.info("%d sample(s) trained in step %d -> weight version %d", len(ids), train_step, weight_version)
+
+    def mark_skipped(self, sample_ids: Sequence[int], reason: str) -> None:
+        """Skip samples that are not trained yet (e.g. the trainer rejected them). All or none."""
+        if not reason:
+            raise ValueError("a skip needs a reason")
+        ids = list(dict.fromkeys(sample_ids))
+        now = time.time()
+        with self.store._tx() as c:
+            states = self._states(c, ids)
+            final = {sid: st for sid, st in states.items() if st in ("trained", "skipped")}
+            if final:
+                raise ValueError("trained or skipped samples cannot be skipped; "
+                                 + ", ".join(f"{sid} is {st}" for sid, st in sorted(final.items())))
+            c.executemany("UPDATE samples SET state = 'skipped', skip_reason = ?, done_at = ? WHERE sample_id = ?",
+                          [(reason, now, sid) for sid in ids])
+        for sid in ids:
+            log.info("sample %d skipped: %s", sid, reason)
+
+    def _states(self, c, ids: list[int]) -> dict[int, str]:
+        states = {}
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            states.update(c.execute(f"SELECT sample_id, state FROM samples WHERE sample_id IN "
+                                    f"({','.join('?' * len(chunk))})", chunk).fetchall())
+        missing = [sid for sid in ids if sid not in states]
+        if missing:
+            raise KeyError(f"no sample with id {', '.join(map(str, missing))}")
+        return states
+
+    def requeue_after_restore(self, checkpoint_step: int) -> int:
+        """After restoring the checkpoint of ``checkpoint_step``: samples consumed but not trained,
+        or trained in a later step (their update was lost with the weights), become ready again."""
+        with self.store._tx() as c:
+            rows = c.execute("SELECT sample_id, state, train_step FROM samples "
+                             "WHERE state = 'consumed' OR (state = 'trained' AND train_step > ?)",
+                             (checkpoint_step,)).fetchall()
+            c.executemany("UPDATE samples SET state = 'ready', train_step = NULL, trained_version = NULL, "
+                          "consumed_version = NULL, consumed_at = NULL, done_at = NULL, requeues = requeues + 1 "
+                          "WHERE sample_id = ?", [(r[0],) for r in rows])
+        if rows:
+            consumed = sum(r[1] == "consumed" for r in rows)
+            log.info("restored checkpoint step %d: %d sample(s) back to ready (%d consumed untrained, %d trained "
+                     "after step %d)", checkpoint_step, len(rows), consumed, len(rows) - consumed, checkpoint_step)
+        return len(rows)
+
+    # --- status --------------------------------------------------------------------------------
+
+    def counts(self) -> dict:
+        """Sample counts by state, skips by reason, and judge statistics (for ``/admin/status``)."""
+        c = self.store._conn()
+        out = {state: 0 for state in STATES}
+        out.update(c.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
+        out["skipped_by_reason"] = dict(c.execute(
+            "SELECT skip_reason, COUNT(*) FROM samples WHERE state = 'skipped' GROUP BY skip_reason ORDER BY 2 DESC"
+        ).fetchall())
+        votes, garbage = c.execute("SELECT COUNT(*), COALESCE(SUM(score IS NULL), 0) FROM votes").fetchone()
+        total, agree = c.execute(
+            "SELECT COUNT(*), COALESCE(SUM(v.score = s.verdict), 0) FROM votes v JOIN samples s ON s.sample_id = v.sample_id "
+            "WHERE v.score IS NOT NULL AND s.verdict IS NOT NULL"
+        ).fetchone()
+        out["votes"] = votes
+        out["garbage_votes"] = garbage
+        # fraction of valid votes that equal their turn's majority verdict (1.0: judges never disagree)
+        out["judge_agreement"] = agree / total if total else None
+        if self.train.baseline == "ema":
+            out["baseline"] = self._load_baseline(c).state_dict()
+        return out
+
+    def get_sample(self, sample_id: int) -> dict:
+        cols = ("sample_id", "turn_id", "group_id", "state", "skip_reason", "judge_kind", "verdict", "reward",
+                "advantage", "weight_lag", "consumed_version", "train_step", "trained_version", "requeues")
+        row = self.store._conn().execute(f"SELECT {', '.join(cols)} FROM samples WHERE sample_id = ?",
+                                         (sample_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no sample with id {sample_id}")
+        return dict(zip(cols, row))
+
+    def samples(self) -> list[dict]:
+        """Every sample (id, turn, state, reason, reward...), in id order."""
+        ids = [r[0] for r in self.store._conn().execute("SELECT sample_id FROM samples ORDER BY sample_id")]
+        return [self.get_sample(i) for i in ids]
+
+    def votes(self, sample_id: int) -> list[dict]:
+        cols = ("attempt", "vote_index", "judge_kind", "score", "rationale", "raw")
+        rows = self.store._conn().execute(f"SELECT {', '.join(cols)} FROM votes WHERE sample_id = ? ORDER BY vote_id",
+                                          (sample_id,))
+        return [dict(zip(cols, r)) for r in rows]
+
+
+class JudgeWorker:
+    """Judges pending samples in the background, ``judge.concurrency`` at a time.
+
+    Each call is bounded by ``judge.timeout_s`` and retried up to ``judge.retries`` times on a
+    timeout, an exception or an all-garbage verdict; then the sample is skipped with the reason
+    (``judge_timeout``, ``judge_error``, ``judge_garbage``). Every attempt's votes are stored.
+    Serving never waits on this: the worker only reads turns that are already stored.
+
+    ``start()`` runs it as an asyncio task that polls the store every ``poll_s`` seconds, or
+    sooner after ``notify()`` (thread-safe; the gateway can call it when a turn closes).
+    ``drain()`` judges everything pending now and returns -- for tests and shutdown.
+    """
+
+    def __init__(self, buffer: RolloutBuffer, judge: Judge, cfg: JudgeConfig, poll_s: float = 1.0):
+        if cfg.concurrency < 1:
+            raise ValueError("judge.concurrency must be at least 1")
+        if cfg.timeout_s <= 0 or cfg.retries < 0:
+            raise ValueError("judge.timeout_s must be > 0 and judge.retries >= 0")
+        self.buffer, self.judge, self.cfg, self.poll_s = buffer, judge, cfg, poll_s
+        self._in_flight: dict[int, asyncio.Task] = {}
+        self._wake: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None
+        self.judged = 0  # samples this worker finished (verdict or skip)
+
+    def notify(self) -> None:
+        """Wake the worker now (e.g. a turn just got its next state). Safe from any thread."""
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def start(self) -> asyncio.Task:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="clawrl-judge-worker")
+        return self._task
+
+    async def stop(self) -> None:
+        """Cancel the loop and in-flight judgements; their samples stay pending for the next run."""
+        tasks = ([self._task] if self._task else []) + list(self._in_flight.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        log.info("judge worker started: %s judge, %d at a time, timeout %.0f s, %d retries", self.judge.kind,
+                 self.cfg.concurrency, self.cfg.timeout_s, self.cfg.retries)
+        while True:
+            self._wake.clear()
+            try:
+                await self._fill()
+            except Exception:  # a store hiccup must not end judging; the next poll retries
+                log.exception("judge worker: could not read pending samples")
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def drain(self) -> int:
+        """Judge every sample pending now (and any that become pending meanwhile); returns how many."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = self._wake or asyncio.Event()
+        before = self.judged
+        while True:
+            await self._fill()
+            if not self._in_flight:
+                return self.judged - before
+            await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)
+
+    async def _fill(self) -> None:
+        await asyncio.to_thread(self.buffer.sync)
+        free = self.cfg.concurrency - len(self._in_flight)
+        if free <= 0:
+            return
+        items = await asyncio.to_thread(self.buffer.pending_inputs, free, list(self._in_flight))
+        for sid, item in items:
+            task = asyncio.get_running_loop().create_task(self._judge_one(sid, item))
+            self._in_flight[sid] = task
+            task.add_done_callback(lambda _t, sid=sid: self._done(sid))
+
+    def _done(self, sample_id: int) -> None:
+        self._in_flight.pop(sample_id, None)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _judge_one(self, sample_id: int, item: JudgeInput) -> None:
+        tried: list[tuple[int, Vote]] = []
+        reason = "judge_error"
+        for attempt in range(1, self.cfg.retries + 2):
+            try:
+                verdict = await asyncio.wait_for(self.judge.judge(item), self.cfg.timeout_s)
+            except asyncio.TimeoutError:
+                reason = "judge_timeout"
+                tried.append((attempt, Vote(None, f"timeout: no verdict within {self.cfg.timeout_s:g} s", "")))
+                log.warning("judging sample %d timed out (attempt %d)", sample_id, attempt)
+                continue
+            except Exception as e:
+                reason = "judge_error"
+                tried.append((attempt, Vote(None, f"error: {type(e).__name__}: {str(e)[:300]}", "")))
+                log.warning("judging sample %d failed (attempt %d): %s", sample_id, attempt, e)
+                continue
+            if verdict.garbage:
+                reason = "judge_garbage"
+                tried += [(attempt, v) for v in verdict.votes]
+                log.warning("judge answered garbage for sample %d (attempt %d)", sample_id, attempt)
+                continue
+            await asyncio.to_thread(self.buffer.record_verdict, sample_id, verdict, attempt, tried)
+            self.judged += 1
+            return
+        await asyncio.to_thread(self.buffer.record_failure, sample_id, reason, self.judge.kind, tried)
+        self.judged += 1
