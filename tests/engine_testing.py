@@ -45,8 +45,9 @@ def build_tokenizer(out: Path, vocab_size: int = 600):
 
 def make_model_dir(out: Path, arch: str = "qwen3", seed: int = 0, chat_template: bool = True,
                    std: float = 0.25, max_pos: int = 4096, **overrides) -> Path:
-    """Write a random-weight ``arch`` (qwen3 | qwen2 | llama | gpt2) chat model to ``out``."""
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
+    """Write a random-weight ``arch`` (qwen3 | qwen2 | llama | mistral | gpt2) chat model to ``out``."""
+    from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -64,12 +65,14 @@ def make_model_dir(out: Path, arch: str = "qwen3", seed: int = 0, chat_template:
     if arch == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=max_pos, **common, **overrides)
     else:
-        cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+        cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}[arch]
         kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=max_pos, rope_theta=10000.0,
                   tie_word_embeddings=(arch == "qwen3"), **common)
         if arch == "qwen3":
             kw["head_dim"] = 16
+        if arch == "mistral":
+            kw["sliding_window"] = None
         kw.update(overrides)
         cfg = cls(**kw)
     torch.manual_seed(seed)

@@ -16,7 +16,7 @@ from clawrl.engines.torch_engine import TorchEngine
 from engine_testing import make_model_dir
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral"])
 def test_ragged_forward_matches_hf_logits(tmp_path, arch):
     lm = load_model(str(make_model_dir(tmp_path / arch, arch)), device="cpu")
     model = lm.model
@@ -70,3 +70,17 @@ def test_unsupported_architecture_serves_through_generic_hf_path(tmp_path):
             for _ in range(6):
                 ids.append(int(lm.model(torch.tensor([ids])).logits[0, -1].argmax()))
         assert r.token_ids == ids[len(p):]
+
+
+def test_sliding_window_models_take_the_generic_path():
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=64, max_position_embeddings=8192)
+    windowed = AutoModelForCausalLM.from_config(MistralConfig(sliding_window=1024, **small))
+    assert "sliding-window" in unsupported_reason(windowed)
+    unreachable = AutoModelForCausalLM.from_config(MistralConfig(sliding_window=8192, **small))
+    assert unsupported_reason(unreachable) is None  # the window never binds within the context
+    qwen2 = AutoModelForCausalLM.from_config(Qwen2Config(use_sliding_window=True, sliding_window=512,
+                                                         max_window_layers=1, **small))
+    assert "sliding-window" in unsupported_reason(qwen2)

@@ -90,7 +90,8 @@ def unsupported_reason(model) -> str | None:
         return f"model_type '{cfg.model_type}' has no ragged forward"
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
         return "sliding-window attention layers"
-    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+    window = getattr(cfg, "sliding_window", None)
+    if cfg.model_type == "mistral" and window and window < cfg.max_position_embeddings:
         return "sliding-window attention"
     inner = getattr(model, "model", None)
     for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
