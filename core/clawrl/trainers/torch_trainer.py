@@ -1,0 +1,405 @@
+"""The built-in trainer: an HF causal LM trained with torch (CPU, or one GPU with bf16 autocast).
+
+The trainer holds its *own* copy of the model, loaded from the directory the engine serves, so a
+train step never touches the module that is decoding; new weights reach the engine only through
+``export_weights`` and the weight sync.
+
+One ``train_step`` is one optimizer step on a list of samples:
+
+1. Samples are packed, in order, into micro-batches of at most ``train.micro_batch_tokens``
+   prompt+response tokens. A micro-batch is one row of concatenated sequences with positions
+   restarting per sequence and a block-diagonal causal mask, so every sequence sees exactly what
+   it would see alone (no padding waste, no cross-talk). Only the logits that predict response
+   tokens are materialised (``logits_to_keep``), which bounds the ``[tokens, vocab]`` tensor.
+2. Before any update, the current weights recompute every response token's logprob: this is
+   ``pi_old`` (PPO ratio 1 at the start). The engine's logprobs from the sample are the rollout
+   reference for TIS/IcePop, and the gap between the two is logged. With ``kl_coef > 0`` the
+   reference policy's logprobs come from the base with LoRA disabled, or a frozen copy.
+3. The aggregation denominator is computed for the whole step first, then each micro-batch's loss
+   is divided by it and back-propagated, so the accumulated gradient does not depend on how the
+   samples were split (``clawrl.losses.aggregate``).
+4. A non-finite loss or gradient skips the step (no optimizer step, no new version); after
+   ``train.max_bad_steps`` in a row the trainer sets ``paused_reason``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from clawrl.config import ClawrlConfig
+from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
+from clawrl.losses import (PolicyLossConfig, aggregation_denominator, kl_penalty, policy_loss, token_entropy,
+                           token_logprobs)
+from clawrl.samples import Sample
+from clawrl.trainers.base import StepResult, Trainer, TrainerError
+
+log = logging.getLogger(__name__)
+
+ADAPTER = "default"  # peft's adapter name; the trainer trains exactly one
+
+
+@dataclass
+class MicroBatch:
+    """Packed sequences for one forward/backward. Per-token tensors cover response tokens only."""
+
+    input_ids: torch.Tensor  # [1, L] prompt+response tokens of every sequence, end to end
+    position_ids: torch.Tensor  # [1, L] restarting at 0 for each sequence
+    segment: torch.Tensor  # [L] which sequence each token belongs to (for the block mask)
+    logit_rows: torch.Tensor  # [T] positions whose next-token logits predict a response token
+    targets: torch.Tensor  # [T] the response tokens
+    temperature: torch.Tensor  # [T] sampling temperature of each token's sample
+    advantages: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T]
+    rollout_logprobs: torch.Tensor  # [T]
+    cu_seqlens: torch.Tensor  # [S + 1] over the T response tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def pack(samples: list[Sample], max_tokens: int) -> list[list[int]]:
+    """Sample indices per micro-batch: greedy, in order, at most ``max_tokens`` prompt+response
+    tokens each. A sample longer than the budget gets a micro-batch of its own."""
+    if max_tokens < 1:
+        raise ValueError(f"train.micro_batch_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    used = 0
+    for i, s in enumerate(samples):
+        n = len(s.prompt_ids) + len(s.response_ids)
+        if groups and used + n <= max_tokens:
+            groups[-1].append(i)
+            used += n
+        else:
+            if n > max_tokens:
+                log.warning("sample %d has %d tokens, more than train.micro_batch_tokens=%d; "
+                            "it gets a micro-batch of its own", s.sample_id, n, max_tokens)
+            groups.append([i])
+            used = n
+    return groups
+
+
+def sample_temperature(s: Sample) -> float:
+    """The temperature the engine's logprobs were taken at (``extra["temperature"]``; default 1).
+    Greedy requests (0) record logprobs at temperature 1, like the engine."""
+    t = float(s.extra.get("temperature", 1.0) or 1.0)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"sample {s.sample_id}: temperature must be > 0, got {t}")
+    return t
+
+
+def check_sample(s: Sample, vocab_size: int) -> None:
+    """Refuse a malformed sample with a message naming it (a bad length would misalign tokens)."""
+    n = len(s.response_ids)
+    if not s.prompt_ids:
+        raise ValueError(f"sample {s.sample_id}: empty prompt (the first response token needs a context)")
+    if n == 0:
+        raise ValueError(f"sample {s.sample_id}: empty response")
+    if len(s.rollout_logprobs) != n:
+        raise ValueError(f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout logprobs for {n} response tokens")
+    if s.loss_mask is not None and len(s.loss_mask) != n:
+        raise ValueError(f"sample {s.sample_id}: loss_mask has {len(s.loss_mask)} entries for {n} response tokens")
+    bad = next((t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= int(t) < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"sample {s.sample_id}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def build_micro_batch(samples: list[Sample], device: torch.device) -> MicroBatch:
+    ids, pos, seg, rows, targets, temps, adv, mask, rollout, cu = [], [], [], [], [], [], [], [], [], [0]
+    for k, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        start = len(ids)
+        ids += [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]
+        pos += range(p + r)
+        seg += [k] * (p + r)
+        rows += range(start + p - 1, start + p + r - 1)  # logits at t predict token t + 1
+        targets += [int(t) for t in s.response_ids]
+        temps += [sample_temperature(s)] * r
+        adv += [float(s.advantage)] * r
+        mask += [1.0] * r if s.loss_mask is None else [float(m) for m in s.loss_mask]
+        rollout += [float(x) for x in s.rollout_logprobs]
+        cu.append(cu[-1] + r)
+
+    def t(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return MicroBatch(
+        input_ids=t([ids], torch.long), position_ids=t([pos], torch.long), segment=t(seg, torch.long),
+        logit_rows=t(rows, torch.long), targets=t(targets, torch.long), temperature=t(temps),
+        advantages=t(adv), loss_mask=t(mask), rollout_logprobs=t(rollout), cu_seqlens=t(cu, torch.long),
+    )
+
+
+class TorchTrainer(Trainer):
+    """See the module docstring. ``device``/``dtype`` override the training device and the
+    parameter dtype (default: ``model.device``, float32 master weights); tests use float64."""
+
+    def __init__(self, cfg: ClawrlConfig, model_path: str, *, device: str | None = None,
+                 dtype: torch.dtype | None = None):
+        tc = cfg.train
+        self.cfg = tc
+        loaded = load_model(model_path, device=device or cfg.model.device, dtype="float32")
+        self.device = loaded.device
+        # export_weights hands the engine tensors on its own device and dtype
+        self.serve_device = resolve_device(cfg.model.device)
+        self.serve_dtype = resolve_dtype(cfg.model.dtype, self.serve_device)
+        self.param_dtype = dtype or torch.float32
+        # bf16 autocast on CUDA; on CPU the arithmetic stays in the parameter dtype (exact tests).
+        self.autocast = self.device.type == "cuda"
+        model = loaded.model.to(self.param_dtype)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.lora = tc.lora.enabled
+        self.ref_model = None
+        if self.lora:
+            model = self._wrap_lora(model, cfg)
+        elif tc.kl_coef > 0:
+            # Full fine-tuning moves every weight, so the KL reference must be its own frozen copy.
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if tc.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        band = tuple(tc.icepop_band) if tc.icepop_band is not None else None
+        # kl_in_reward: the KL is folded into the advantage instead of being a loss term.
+        self.loss_cfg = PolicyLossConfig(
+            eps_clip_low=tc.eps_clip_low, eps_clip_high=tc.eps_clip_high, dual_clip_c=tc.dual_clip_c,
+            kl_coef=0.0 if tc.kl_in_reward else tc.kl_coef, kl_estimator=tc.kl_estimator,
+            entropy_coef=tc.entropy_coef, tis_cap=tc.tis_cap, icepop_band=band, aggregation=tc.aggregation)
+        self.step = 0
+        self.bad_steps = 0
+        self.paused_reason = None
+        self._lock = threading.Lock()  # train_step and export_weights never interleave
+        log.info("torch trainer: %s on %s (%s params, %d trainable tensors, %s), micro-batches of %d tokens",
+                 loaded.path, self.device, str(self.param_dtype).removeprefix("torch."), len(self.params),
+                 f"LoRA r={tc.lora.r}" if self.lora else "full fine-tuning", tc.micro_batch_tokens)
+
+    def _wrap_lora(self, model, cfg: ClawrlConfig):
+        import peft
+
+        lc = cfg.train.lora
+        peft_cfg = peft.LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                   target_modules=list(lc.target_modules), bias="none")
+        with torch.random.fork_rng(devices=[]):  # adapter init from cfg.seed, global RNG untouched
+            torch.manual_seed(cfg.seed)
+            try:
+                return peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
+            except ValueError as e:
+                raise TrainerError(f"train.lora.target_modules={list(lc.target_modules)}: "
+                                   f"{str(e).splitlines()[0]}") from None
+
+    # ---------------------------------------------------------------- forward
+
+    def _logits(self, model, mb: MicroBatch) -> torch.Tensor:
+        """Float32+ logits ``[T, V]`` of the response-predicting positions, scaled by temperature."""
+        seg = mb.segment
+        causal = torch.ones(len(seg), len(seg), dtype=torch.bool, device=seg.device).tril()
+        mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask,
+                        logits_to_keep=mb.logit_rows, use_cache=False)
+        logits = out.logits[0].to(torch.promote_types(out.logits.dtype, torch.float32))
+        if bool((mb.temperature != 1.0).any()):
+            logits = logits / mb.temperature.to(logits.dtype)[:, None]
+        return logits
+
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        if self.lora:
+            with self.model.disable_adapter():
+                return token_logprobs(self._logits(self.model, mb), mb.targets)
+        return token_logprobs(self._logits(self.ref_model, mb), mb.targets)
+
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Per-response-token logprobs of each sample under the current weights (no update)."""
+        with self._lock:
+            for s in samples:
+                check_sample(s, self.vocab_size)
+            out: list[list[float]] = []
+            self.model.eval()
+            with torch.no_grad():
+                for group in pack(samples, self.cfg.micro_batch_tokens):
+                    mb = build_micro_batch([samples[i] for i in group], self.device)
+                    lps = token_logprobs(self._logits(self.model, mb), mb.targets).tolist()
+                    cu = mb.cu_seqlens.tolist()
+                    out += [lps[a:b] for a, b in zip(cu[:-1], cu[1:])]
+            return out
+
+    # ---------------------------------------------------------------- the step
+
+    def train_step(self, samples: list[Sample], weight_version: int) -> StepResult:
+        with self._lock:
+            return self._train_step(samples, weight_version)
+
+    def _train_step(self, samples: list[Sample], weight_version: int) -> StepResult:
+        if self.paused_reason:
+            return StepResult(False, {}, "paused")
+        if not samples:
+            return StepResult(False, {}, "no_trainable_tokens")
+        for s in samples:
+            check_sample(s, self.vocab_size)
+        started = time.perf_counter()
+        tc, mode = self.cfg, self.loss_cfg.aggregation
+        batches = [build_micro_batch([samples[i] for i in g], self.device)
+                   for g in pack(samples, tc.micro_batch_tokens)]
+        metrics = self._sample_metrics(samples, weight_version, batches)
+        denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in batches)
+        if denominator <= 0:
+            return StepResult(False, metrics, "no_trainable_tokens")
+
+        # pi_old (and the reference) under the weights as they are, before any gradient.
+        self.model.eval()
+        olds, refs, gaps, entropy_sum = [], [], [], 0.0
+        with torch.no_grad():
+            for mb in batches:
+                logits = self._logits(self.model, mb)
+                old = token_logprobs(logits, mb.targets)
+                entropy_sum += float((token_entropy(logits) * mb.loss_mask).sum())
+                olds.append(old)
+                refs.append(self._reference_logprobs(mb) if tc.kl_coef > 0 else None)
+                gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
+        trained = float(sum(float(mb.loss_mask.sum()) for mb in batches))
+        metrics["entropy"] = entropy_sum / max(trained, 1.0)
+        metrics["rollout_logprob_gap_max"] = float(torch.stack(gaps).max())
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, sums = 0.0, {}
+        for mb, old, ref in zip(batches, olds, refs):
+            logits = self._logits(self.model, mb)
+            lp = token_logprobs(logits, mb.targets)
+            entropy = token_entropy(logits) if tc.entropy_coef != 0 else None
+            advantages = mb.advantages
+            if tc.kl_in_reward and ref is not None:
+                advantages = advantages - tc.kl_coef * kl_penalty(old, ref, tc.kl_estimator)
+            loss, m = policy_loss(lp, old, advantages, mb.loss_mask, mb.cu_seqlens, self.loss_cfg,
+                                  rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
+                                  global_denominator=denominator)
+            if not torch.isfinite(loss):
+                return self._skip(metrics, "nonfinite_loss")
+            loss.backward()
+            loss_total += float(loss.detach())
+            weight = float(m["trained_tokens"])
+            for k, v in m.items():
+                if k == "pg_loss":
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                elif k != "trained_tokens":
+                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+        for k, v in sums.items():
+            metrics[k] = v if k == "pg_loss" else v / max(trained, 1.0)
+        metrics["rollout_logprob_gap_mean"] = metrics.pop("rollout_logprob_abs_gap")
+        metrics["loss"] = loss_total
+
+        clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        metrics["grad_norm"] = grad_norm
+        if not math.isfinite(grad_norm):
+            return self._skip(metrics, "nonfinite_grad")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.bad_steps = 0
+        metrics.update(step=self.step, lr=self.optimizer.param_groups[0]["lr"],
+                       step_seconds=time.perf_counter() - started)
+        return StepResult(True, metrics, None)
+
+    def _skip(self, metrics: dict, reason: str) -> StepResult:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.bad_steps += 1
+        log.warning("train step skipped: %s (%d in a row, limit train.max_bad_steps=%d)",
+                    reason, self.bad_steps, self.cfg.max_bad_steps)
+        if self.bad_steps >= self.cfg.max_bad_steps:
+            self.paused_reason = (f"{self.bad_steps} train steps in a row had a non-finite loss or gradient "
+                                  f"(train.max_bad_steps={self.cfg.max_bad_steps})")
+            log.error("training paused: %s", self.paused_reason)
+        metrics["bad_steps"] = self.bad_steps
+        return StepResult(False, metrics, reason)
+
+    @staticmethod
+    def _sample_metrics(samples: list[Sample], weight_version: int, batches: list[MicroBatch]) -> dict:
+        lag = [weight_version - s.oldest_version for s in samples]
+        return {
+            "samples": len(samples), "micro_batches": len(batches),
+            "tokens": sum(mb.num_tokens for mb in batches),
+            "trained_tokens": float(sum(float(mb.loss_mask.sum()) for mb in batches)),
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "advantage_mean": sum(s.advantage for s in samples) / len(samples),
+            "staleness_mean": sum(lag) / len(lag), "staleness_max": max(lag),
+        }
+
+    # ---------------------------------------------------------------- weights and state
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named weights for the engine. With LoRA, ``W + scale * B @ A`` is computed per adapted
+        module into a new tensor, so the trainable adapter and the base stay as they are."""
+        with self._lock, torch.no_grad():
+            if not self.lora:
+                state = self.model.state_dict()
+            else:
+                from peft.tuners.lora import LoraLayer
+
+                base = self.model.get_base_model()
+                deltas = {f"{name}.base_layer.weight": module.get_delta_weight(ADAPTER)
+                          for name, module in base.named_modules()
+                          if isinstance(module, LoraLayer) and ADAPTER in module.lora_A}
+                state = {}
+                for key, value in base.state_dict().items():
+                    if ".lora_" in key:
+                        continue
+                    if key in deltas:
+                        value = value + deltas[key]
+                    state[key.replace(".base_layer.", ".")] = value
+            return {k: v.detach().to(device=self.serve_device, dtype=self.serve_dtype, copy=True) for k, v in state.items()}
+
+    def _trainable_named(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def state_dict(self) -> dict:
+        with self._lock:
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
+            return {
+                "kind": "lora" if self.lora else "full",
+                "weights": {n: p.detach().to("cpu", copy=True) for n, p in self._trainable_named().items()},
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "bad_steps": self.bad_steps,
+                "rng": rng,
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            kind = "lora" if self.lora else "full"
+            if state.get("kind") != kind:
+                raise TrainerError(f"checkpoint holds {state.get('kind')} weights but the trainer is set up for "
+                                   f"{kind} training (train.lora.enabled={self.lora})")
+            params = self._trainable_named()
+            weights = state["weights"]
+            if set(weights) != set(params):
+                missing = sorted(set(params) - set(weights))[:3]
+                extra = sorted(set(weights) - set(params))[:3]
+                raise TrainerError(f"checkpoint weights do not match the model (missing {missing}, unexpected {extra})")
+            with torch.no_grad():
+                for name, p in params.items():
+                    if weights[name].shape != p.shape:
+                        raise TrainerError(f"checkpoint weight {name} has shape {tuple(weights[name].shape)}, "
+                                           f"the model {tuple(p.shape)}")
+                    p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+            self.bad_steps = int(state.get("bad_steps", 0))
+            rng = state.get("rng") or {}
+            if "torch" in rng:
+                torch.set_rng_state(rng["torch"])
+            if "python" in rng:
+                random.setstate(rng["python"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
