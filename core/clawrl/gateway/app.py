@@ -134,6 +134,9 @@ class Gateway:
         self.api_keys, self.admin_keys = key_rings(cfg.server)
         self.admission = Admission(cfg.engine.max_batch_size, cfg.server.max_queue)
         self.created = int(time.time())
+        # Extra /admin/status sections from the layers above (e.g. training); each is a synchronous
+        # callable returning a dict, run off the event loop. The gateway knows nothing of them.
+        self.status_sections: list = []
 
     def fingerprint(self) -> str:
         return f"clawrl-w{self.engine.model_info().weight_version}"
@@ -500,9 +503,12 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     async def admin_status(request: Request):
         admin(request)
         counts = await asyncio.to_thread(store.status_counts)
-        return {"model": gw.model_name, "weight_version": engine.model_info().weight_version,
-                "engine": await engine.health(), "queue": {"free_slots": gw.admission.free,
-                                                           "waiting": len(gw.admission._waiters)}, **counts}
+        out = {"model": gw.model_name, "weight_version": engine.model_info().weight_version,
+               "engine": await engine.health(), "queue": {"free_slots": gw.admission.free,
+                                                          "waiting": len(gw.admission._waiters)}, **counts}
+        for section in gw.status_sections:
+            out.update(await asyncio.to_thread(section))
+        return out
 
     @app.get("/admin/sessions")
     async def admin_sessions(request: Request, limit: int = 100, offset: int = 0):
