@@ -527,12 +527,12 @@ class JudgeWorker:
     ``drain()`` judges everything pending now and returns -- for tests and shutdown.
     """
 
-    def __init__(self, buffer: RolloutBuffer, judge: Judge, cfg: JudgeConfig, poll_s: float = 1.0):
-        if cfg.concurrency < 1:
+    def __init__(self, buffer: RolloutBuffer, judge: Judge, judge_cfg: JudgeConfig, poll_s: float = 1.0):
+        if judge_cfg.concurrency < 1:
             raise ValueError("judge.concurrency must be at least 1")
-        if cfg.timeout_s <= 0 or cfg.retries < 0:
+        if judge_cfg.timeout_s <= 0 or judge_cfg.retries < 0:
             raise ValueError("judge.timeout_s must be > 0 and judge.retries >= 0")
-        self.buffer, self.judge, self.cfg, self.poll_s = buffer, judge, cfg, poll_s
+        self.buffer, self.judge, self.judge_cfg, self.poll_s = buffer, judge, judge_cfg, poll_s
         self._in_flight: dict[int, asyncio.Task] = {}
         self._wake: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -561,7 +561,7 @@ class JudgeWorker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         log.info("judge worker started: %s judge, %d at a time, timeout %.0f s, %d retries", self.judge.kind,
-                 self.cfg.concurrency, self.cfg.timeout_s, self.cfg.retries)
+                 self.judge_cfg.concurrency, self.judge_cfg.timeout_s, self.judge_cfg.retries)
         while True:
             self._wake.clear()
             try:
@@ -586,7 +586,7 @@ class JudgeWorker:
 
     async def _fill(self) -> None:
         await asyncio.to_thread(self.buffer.sync)
-        free = self.cfg.concurrency - len(self._in_flight)
+        free = self.judge_cfg.concurrency - len(self._in_flight)
         if free <= 0:
             return
         items = await asyncio.to_thread(self.buffer.pending_inputs, free, list(self._in_flight))
@@ -603,12 +603,12 @@ class JudgeWorker:
     async def _judge_one(self, sample_id: int, item: JudgeInput) -> None:
         tried: list[tuple[int, Vote]] = []
         reason = "judge_error"
-        for attempt in range(1, self.cfg.retries + 2):
+        for attempt in range(1, self.judge_cfg.retries + 2):
             try:
-                verdict = await asyncio.wait_for(self.judge.judge(item), self.cfg.timeout_s)
+                verdict = await asyncio.wait_for(self.judge.judge(item), self.judge_cfg.timeout_s)
             except asyncio.TimeoutError:
                 reason = "judge_timeout"
-                tried.append((attempt, Vote(None, f"timeout: no verdict within {self.cfg.timeout_s:g} s", "")))
+                tried.append((attempt, Vote(None, f"timeout: no verdict within {self.judge_cfg.timeout_s:g} s", "")))
                 log.warning("judging sample %d timed out (attempt %d)", sample_id, attempt)
                 continue
             except Exception as e:

@@ -16,24 +16,24 @@ if TYPE_CHECKING:
 KINDS = ("rules", "prm", "env")
 
 
-def make_judge(cfg: "JudgeConfig", engine: Optional["Engine"] = None) -> Judge:
-    """The judge ``cfg.kind`` names. ``prm`` needs ``engine``: one serving ``cfg.model.path``, or a
+def make_judge(judge_cfg: "JudgeConfig", engine: Optional["Engine"] = None) -> Judge:
+    """The judge ``judge_cfg.kind`` names. ``prm`` needs ``engine``: one serving ``judge.model.path``, or a
     frozen copy of the base policy (the orchestrator decides which)."""
-    if cfg.kind == "rules":
+    if judge_cfg.kind == "rules":
         from clawrl.judges.rules import RulesJudge
 
         return RulesJudge()
-    if cfg.kind == "prm":
+    if judge_cfg.kind == "prm":
         from clawrl.judges.prm import PRMJudge
 
         if engine is None:
             raise JudgeError("judge.kind=prm needs a judge engine (judge.model.path, or the frozen base policy)")
-        return PRMJudge(engine, votes=cfg.votes)
-    if cfg.kind == "env":
+        return PRMJudge(engine, votes=judge_cfg.votes)
+    if judge_cfg.kind == "env":
         from clawrl.judges.env import EnvJudge
 
         return EnvJudge()
-    raise JudgeError(f"unknown judge.kind '{cfg.kind}'; choose one of {', '.join(KINDS)}")
+    raise JudgeError(f"unknown judge.kind '{judge_cfg.kind}'; choose one of {', '.join(KINDS)}")
 
 
 __all__ = ["Judge", "JudgeError", "JudgeInput", "KINDS", "Verdict", "Vote", "majority", "make_judge"]
