@@ -103,7 +103,8 @@ def test_samples_carry_the_exact_tokens_logprobs_and_versions_of_the_turn(store)
     assert sample.extra["weight_lag"] == 2 and sample.reward == 1.0 and sample.advantage == 1.0
 
 
-def test_every_closed_turn_ends_trained_or_skipped_with_a_reason(store):
+def test_every_closed_turn_ends_trained_or_skipped_with_a_reason(store, caplog):
+    caplog.set_level(logging.INFO, logger="clawrl.buffer")
     chat, buffer = Chat(store), make_buffer(store)
     good = chat.conversation(["perfect, thanks"])
     silent = chat.conversation(["And what is 8+1?"], opening="Hi there")  # no explicit feedback
@@ -122,6 +123,9 @@ def test_every_closed_turn_ends_trained_or_skipped_with_a_reason(store):
     assert s[excluded[0]]["skip_reason"] == "excluded"
     for last in (good[1], silent[1], excluded[1]):
         assert s[last]["skip_reason"] == "no_next_state"
+    assert f"turn {aborted} skipped: untrainable:aborted" in caplog.text
+    assert f"turn {side} skipped: side_turn" in caplog.text and "skipped: no_signal" in caplog.text
+    assert buffer.ready_count() == 1
     [sample] = buffer.take_batch(8, current_version=0)
     buffer.mark_trained([sample.sample_id], train_step=1, weight_version=1)
     all_turns = [t["turn_id"] for t in store.iter_turns()]

@@ -34,6 +34,18 @@ Lifecycle of a sample (table ``samples`` in the turn store's SQLite file)::
   :meth:`RolloutBuffer.requeue_after_restore` returns consumed samples and samples trained in
   steps after S to ready, so each sample trains exactly once in the surviving model lineage.
 
+Use (the orchestrator)::
+
+    buffer = RolloutBuffer(store, cfg.train)
+    buffer.requeue_after_restore(step)                      # at start-up, after loading checkpoint `step`
+    worker = JudgeWorker(buffer, make_judge(cfg.judge, judge_engine), cfg.judge)
+    worker.start()                                          # an asyncio task; worker.notify() wakes it
+    if buffer.ready_count() >= cfg.train.batch_size:
+        batch = await asyncio.to_thread(buffer.take_batch, cfg.train.batch_size, engine_weight_version)
+        ... train on batch (list[clawrl.samples.Sample]) ...
+        buffer.mark_trained([s.sample_id for s in batch], train_step, new_weight_version)
+    buffer.counts()                                         # for /admin/status
+
 The buffer has its own schema version (``meta.buffer_schema_version``) so the store's schema and
 its migrations stay the store's own.
 """
@@ -178,6 +190,8 @@ class RolloutBuffer:
         turn that was still open last time.
         """
         now = time.time() if now is None else now
+        if not self._sync_needed():
+            return 0
         skipped = []
         with self.store._tx() as c:
             scan_from = int(self._meta(c, _META_SCAN) or 0)
@@ -202,7 +216,8 @@ class RolloutBuffer:
                 "(SELECT MAX(turn_id) + 1 FROM turns), ?)",
                 (scan_from, scan_from),
             ).fetchone()[0]
-            self._set_meta(c, _META_SCAN, str(low))
+            if low != scan_from:
+                self._set_meta(c, _META_SCAN, str(low))
             ready = self._promote(c, now)
         for turn_id, reason, close_reason in skipped:
             log.info("turn %d skipped: %s (closed by %s)", turn_id, reason, close_reason)
@@ -210,6 +225,22 @@ class RolloutBuffer:
         if rows:
             log.info("%d new sample(s): %d pending, %d skipped", len(rows), len(rows) - len(skipped), len(skipped))
         return len(rows)
+
+    def _sync_needed(self) -> bool:
+        """Whether a closed turn lacks its sample or a judged sample waits: a read, so idle polling
+        never takes the write lock the gateway records turns under."""
+        c = self.store._conn()
+        scan_from = int(self._meta(c, _META_SCAN) or 0)
+        return c.execute(
+            "SELECT EXISTS (SELECT 1 FROM turns t WHERE turn_id >= ? AND close_reason IS NOT NULL "
+            "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.turn_id = t.turn_id)) "
+            "OR EXISTS (SELECT 1 FROM samples WHERE state = 'judged')",
+            (scan_from,),
+        ).fetchone()[0] == 1
+
+    def ready_count(self) -> int:
+        """How many samples wait for the trainer (it starts a step at ``train.batch_size``)."""
+        return self.store._conn().execute("SELECT COUNT(*) FROM samples WHERE state = 'ready'").fetchone()[0]
 
     # --- judging -------------------------------------------------------------------------------
 
@@ -538,6 +569,7 @@ class JudgeWorker:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
         self.judged = 0  # samples this worker finished (verdict or skip)
+        self._errors: list[BaseException] = []
 
     def notify(self) -> None:
         """Wake the worker now (e.g. a turn just got its next state). Safe from any thread."""
@@ -578,7 +610,10 @@ class JudgeWorker:
         self._loop = asyncio.get_running_loop()
         self._wake = self._wake or asyncio.Event()
         before = self.judged
+        self._errors.clear()
         while True:
+            if self._errors:
+                raise self._errors[0]
             await self._fill()
             if not self._in_flight:
                 return self.judged - before
@@ -593,10 +628,14 @@ class JudgeWorker:
         for sid, item in items:
             task = asyncio.get_running_loop().create_task(self._judge_one(sid, item))
             self._in_flight[sid] = task
-            task.add_done_callback(lambda _t, sid=sid: self._done(sid))
+            task.add_done_callback(lambda t, sid=sid: self._done(sid, t))
 
-    def _done(self, sample_id: int) -> None:
+    def _done(self, sample_id: int, task: asyncio.Task) -> None:
         self._in_flight.pop(sample_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            # Recording failed (the store): the sample stays pending and is judged again later.
+            log.error("judging sample %d could not be recorded: %s", sample_id, task.exception())
+            self._errors.append(task.exception())
         if self._wake is not None:
             self._wake.set()
 
