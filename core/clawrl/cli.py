@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write stored turns as JSONL")
     ex.add_argument("--run-dir", required=True)
     ex.add_argument("--out", default="-", help="output file (default: stdout)")
+
+    rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")
+    rb.add_argument("--run-dir", required=True)
+    rb.add_argument("--to", type=int, required=True, metavar="VERSION", help="the weight version to go back to")
     return p
 
 
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             from clawrl.sessions_cli import export_cli
 
             return export_cli(args)
+        if args.cmd == "rollback":
+            from clawrl.checkpoints import rollback_cli
+
+            return rollback_cli(args)
     except (CliError, ConfigError, ModelLoadError) as e:
         print(f"clawrl: {e}", file=sys.stderr)
         return 2
