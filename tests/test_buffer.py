@@ -1,8 +1,10 @@
 """The rollout buffer: every closed turn becomes a sample that ends trained or skipped with a reason,
 judged in the background, consumed exactly once, with staleness, advantages and restarts honoured."""
 import asyncio
+import json
 import logging
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -89,6 +91,22 @@ def test_feedback_turns_become_ready_samples_with_the_judged_reward(store, caplo
     votes = buffer.votes(s[t[1]]["sample_id"])
     assert [v["score"] for v in votes] == [-1] and "wrong" in votes[0]["rationale"] and "retry" in votes[0]["rationale"]
     assert "judged -1 by rules" in caplog.text
+
+
+def test_real_openclaw_correction_is_judged_from_the_users_request_not_the_internal_trailer(store):
+    fixtures = Path(__file__).parent / "fixtures" / "openclaw-2026.9.6"
+    b1, b2 = (json.loads((fixtures / f).read_text())["body"] for f in ("chat_turn1.json", "chat_turn2.json"))
+    chat, buffer = Chat(store), make_buffer(store)
+    t1 = chat.serve(b1["messages"], "Hello from stub.")
+    chat.serve(b2["messages"], "The sea is wide.")
+    buffer.sync()
+    [(sid, item)] = buffer.pending_inputs(8)
+    assert item.turn_id == t1 and "two-line poem about the sea" in item.request
+    assert item.reply == "Hello from stub." and "Too long" in item.next_state[0]["content"]
+    judge_all(buffer)
+    s = buffer.get_sample(sid)
+    assert (s["state"], s["reward"]) == ("ready", -1.0)
+    assert buffer.votes(sid)[0]["rationale"] == "complaint"
 
 
 def test_samples_carry_the_exact_tokens_logprobs_and_versions_of_the_turn(store):

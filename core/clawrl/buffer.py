@@ -251,10 +251,11 @@ class RolloutBuffer:
         out, relabelled = [], []
         rows = self.store._conn().execute(
             "SELECT s.sample_id, t.turn_id, t.turn_type, t.trainable, t.untrainable_reason, t.close_reason, "
-            "t.messages, t.response_text, t.tool_calls, t.next_state FROM samples s JOIN turns t ON t.turn_id = s.turn_id "
+            "t.messages, t.history_len, t.response_text, t.tool_calls, t.next_state FROM samples s "
+            "JOIN turns t ON t.turn_id = s.turn_id "
             "WHERE s.state = 'pending' ORDER BY s.sample_id"
         )
-        for sid, turn_id, turn_type, trainable, reason, close_reason, messages, text, calls, next_state in rows:
+        for sid, turn_id, turn_type, trainable, reason, close_reason, messages, hist_len, text, calls, next_state in rows:
             if sid in exclude:
                 continue
             skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
@@ -262,7 +263,7 @@ class RolloutBuffer:
                 relabelled.append((sid, skip))
                 continue
             out.append((sid, JudgeInput.from_turn({
-                "turn_id": turn_id, "messages": json.loads(messages), "response_text": text,
+                "turn_id": turn_id, "messages": json.loads(messages), "history_len": hist_len, "response_text": text,
                 "tool_calls": json.loads(calls) if calls else None, "next_state": json.loads(next_state),
             })))
             if len(out) >= limit:

@@ -47,9 +47,11 @@ class JudgeInput:
 
     @classmethod
     def from_turn(cls, turn: dict) -> "JudgeInput":
-        """Build from a stored turn (``TurnStore.get_turn``)."""
+        """Build from a stored turn (``TurnStore.get_turn``). The request is looked for in the
+        history only: a trailer the client does not keep (OpenClaw's internal context) is no request."""
         messages = turn.get("messages") or []
-        request = next((message_text(m) for m in reversed(messages) if m.get("role") == "user"), "")
+        history = messages[: turn.get("history_len", len(messages))]
+        request = next((message_text(m) for m in reversed(history) if m.get("role") == "user"), "")
         return cls(turn_id=turn["turn_id"], request=request, reply=turn.get("response_text") or "",
                    tool_calls=turn.get("tool_calls"), next_state=turn.get("next_state") or [], messages=messages)
 
