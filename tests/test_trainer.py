@@ -198,3 +198,34 @@ def test_staleness_and_reward_metrics_describe_the_batch(model_dir):
     assert m["staleness_max"] == 3 and m["staleness_mean"] == 2
     assert m["reward_mean"] == 0.0 and m["samples"] == 2
     assert math.isfinite(m["loss"]) and m["entropy"] > 0
+
+
+def test_gradient_checkpointing_gives_the_same_update(model_dir):
+    samples = make_samples(400, n=3, seed=5)
+    updated = []
+    for flag in ("false", "true"):
+        trainer = trainer_for(model_dir, f"train.gradient_checkpointing={flag}", "train.lr=1e-3", dtype=torch.float64)
+        assert trainer.model.is_activation_checkpointing == (flag == "true")
+        assert trainer.train_step(on_policy(trainer, samples), 0).ok
+        updated.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    for name, p in updated[0].items():
+        torch.testing.assert_close(updated[1][name], p, atol=1e-9, rtol=0, msg=name)
+
+
+def test_kl_in_reward_folds_the_penalty_into_the_advantage(model_dir):
+    """After one step the policy differs from the frozen reference; with kl_in_reward the KL lowers
+    the advantage instead of adding a loss term, so the policy loss reflects it."""
+    losses = {}
+    for in_reward in ("false", "true"):
+        trainer = trainer_for(model_dir, "train.kl_coef=0.5", f"train.kl_in_reward={in_reward}", "train.lr=1e-2",
+                              "train.kl_estimator=k1")
+        samples = on_policy(trainer, make_samples(trainer.vocab_size, seed=9))
+        assert trainer.train_step(samples, 0).ok
+        result = trainer.train_step(on_policy(trainer, samples), 1)
+        assert result.metrics["kl_mean"] > 0.01
+        losses[in_reward] = result.metrics
+    # k1 as a loss term has zero value at ratio 1 beyond pg; in the reward it shifts pg_loss by +kl_coef * KL.
+    assert losses["true"]["pg_loss"] == pytest.approx(losses["false"]["pg_loss"] + 0.5 * losses["true"]["kl_mean"],
+                                                      rel=1e-4)
+    assert losses["false"]["loss"] == pytest.approx(losses["false"]["pg_loss"] + 0.5 * losses["false"]["kl_mean"],
+                                                    rel=1e-4)

@@ -246,7 +246,8 @@ class CheckpointStore:
             state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
             state["weights"] = load_file(str(path / weights_file))
         except Exception as e:  # checksums matched, yet unreadable: written by an incompatible version
-            raise CorruptCheckpoint(f"{path} is unreadable: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+            reason = str(e).splitlines()[0][:200] if str(e) else ""
+            raise CorruptCheckpoint(f"{path} is unreadable: {type(e).__name__}: {reason}") from None
         return state, manifest
 
     def resume(self, trainer: Trainer) -> ResumeState | None:
@@ -285,7 +286,8 @@ class CheckpointStore:
                             "serving its weights as version %d", step, version, served, served + 1)
                 version = served + 1
             self.record_version(version)
-            log.info("resumed from checkpoint step_%d: trainer step %d, weight version %d", step, trainer.step, version)
+            log.info("resumed from checkpoint step_%d: trainer step %d, weight version %d",
+                     step, trainer.step, version)
             return ResumeState(trainer.step, version, buffer_state, self.path(step))
         if order:
             log.error("no usable checkpoint among %s; starting from the base model", [f"step_{s}" for s in order])

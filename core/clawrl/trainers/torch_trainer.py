@@ -143,8 +143,8 @@ class TorchTrainer(Trainer):
 
     def __init__(self, cfg: ClawrlConfig, model_path: str, *, device: str | None = None,
                  dtype: torch.dtype | None = None):
-        tc = cfg.train
-        self.cfg = tc
+        train_cfg = cfg.train
+        self.train_cfg = train_cfg
         loaded = load_model(model_path, device=device or cfg.model.device, dtype="float32")
         self.device = loaded.device
         # export_weights hands the engine tensors on its own device and dtype
@@ -155,45 +155,46 @@ class TorchTrainer(Trainer):
         self.autocast = self.device.type == "cuda"
         model = loaded.model.to(self.param_dtype)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        self.lora = tc.lora.enabled
+        self.lora = train_cfg.lora.enabled
         self.ref_model = None
         if self.lora:
             model = self._wrap_lora(model, cfg)
-        elif tc.kl_coef > 0:
+        elif train_cfg.kl_coef > 0:
             # Full fine-tuning moves every weight, so the KL reference must be its own frozen copy.
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        if tc.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if train_cfg.gradient_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
-        band = tuple(tc.icepop_band) if tc.icepop_band is not None else None
+        self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        band = tuple(train_cfg.icepop_band) if train_cfg.icepop_band is not None else None
         # kl_in_reward: the KL is folded into the advantage instead of being a loss term.
         self.loss_cfg = PolicyLossConfig(
-            eps_clip_low=tc.eps_clip_low, eps_clip_high=tc.eps_clip_high, dual_clip_c=tc.dual_clip_c,
-            kl_coef=0.0 if tc.kl_in_reward else tc.kl_coef, kl_estimator=tc.kl_estimator,
-            entropy_coef=tc.entropy_coef, tis_cap=tc.tis_cap, icepop_band=band, aggregation=tc.aggregation)
+            eps_clip_low=train_cfg.eps_clip_low, eps_clip_high=train_cfg.eps_clip_high,
+            dual_clip_c=train_cfg.dual_clip_c, kl_coef=0.0 if train_cfg.kl_in_reward else train_cfg.kl_coef,
+            kl_estimator=train_cfg.kl_estimator, entropy_coef=train_cfg.entropy_coef, tis_cap=train_cfg.tis_cap,
+            icepop_band=band, aggregation=train_cfg.aggregation)
         self.step = 0
         self.bad_steps = 0
         self.paused_reason = None
         self._lock = threading.Lock()  # train_step and export_weights never interleave
         log.info("torch trainer: %s on %s (%s params, %d trainable tensors, %s), micro-batches of %d tokens",
                  loaded.path, self.device, str(self.param_dtype).removeprefix("torch."), len(self.params),
-                 f"LoRA r={tc.lora.r}" if self.lora else "full fine-tuning", tc.micro_batch_tokens)
+                 f"LoRA r={train_cfg.lora.r}" if self.lora else "full fine-tuning", train_cfg.micro_batch_tokens)
 
     def _wrap_lora(self, model, cfg: ClawrlConfig):
         import peft
 
-        lc = cfg.train.lora
-        peft_cfg = peft.LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                   target_modules=list(lc.target_modules), bias="none")
+        lora_cfg = cfg.train.lora
+        peft_cfg = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                                   target_modules=list(lora_cfg.target_modules), bias="none")
         with torch.random.fork_rng(devices=[]):  # adapter init from cfg.seed, global RNG untouched
             torch.manual_seed(cfg.seed)
             try:
                 return peft.get_peft_model(model, peft_cfg, adapter_name=ADAPTER)
             except ValueError as e:
-                raise TrainerError(f"train.lora.target_modules={list(lc.target_modules)}: "
+                raise TrainerError(f"train.lora.target_modules={list(lora_cfg.target_modules)}: "
                                    f"{str(e).splitlines()[0]}") from None
 
     # ---------------------------------------------------------------- forward
@@ -201,8 +202,10 @@ class TorchTrainer(Trainer):
     def _logits(self, model, mb: MicroBatch) -> torch.Tensor:
         """Float32+ logits ``[T, V]`` of the response-predicting positions, scaled by temperature."""
         seg = mb.segment
-        causal = torch.ones(len(seg), len(seg), dtype=torch.bool, device=seg.device).tril()
-        mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
+        mask = None  # one sequence: the model's own causal attention (no [L, L] mask to hold)
+        if int(seg[-1]) > 0:
+            causal = torch.ones(len(seg), len(seg), dtype=torch.bool, device=seg.device).tril()
+            mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask,
                         logits_to_keep=mb.logit_rows, use_cache=False)
@@ -225,7 +228,7 @@ class TorchTrainer(Trainer):
             out: list[list[float]] = []
             self.model.eval()
             with torch.no_grad():
-                for group in pack(samples, self.cfg.micro_batch_tokens):
+                for group in pack(samples, self.train_cfg.micro_batch_tokens):
                     mb = build_micro_batch([samples[i] for i in group], self.device)
                     lps = token_logprobs(self._logits(self.model, mb), mb.targets).tolist()
                     cu = mb.cu_seqlens.tolist()
@@ -246,9 +249,9 @@ class TorchTrainer(Trainer):
         for s in samples:
             check_sample(s, self.vocab_size)
         started = time.perf_counter()
-        tc, mode = self.cfg, self.loss_cfg.aggregation
+        train_cfg, mode = self.train_cfg, self.loss_cfg.aggregation
         batches = [build_micro_batch([samples[i] for i in g], self.device)
-                   for g in pack(samples, tc.micro_batch_tokens)]
+                   for g in pack(samples, train_cfg.micro_batch_tokens)]
         metrics = self._sample_metrics(samples, weight_version, batches)
         denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in batches)
         if denominator <= 0:
@@ -263,7 +266,7 @@ class TorchTrainer(Trainer):
                 old = token_logprobs(logits, mb.targets)
                 entropy_sum += float((token_entropy(logits) * mb.loss_mask).sum())
                 olds.append(old)
-                refs.append(self._reference_logprobs(mb) if tc.kl_coef > 0 else None)
+                refs.append(self._reference_logprobs(mb) if train_cfg.kl_coef > 0 else None)
                 gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
         trained = float(sum(float(mb.loss_mask.sum()) for mb in batches))
         metrics["entropy"] = entropy_sum / max(trained, 1.0)
@@ -275,10 +278,10 @@ class TorchTrainer(Trainer):
         for mb, old, ref in zip(batches, olds, refs):
             logits = self._logits(self.model, mb)
             lp = token_logprobs(logits, mb.targets)
-            entropy = token_entropy(logits) if tc.entropy_coef != 0 else None
+            entropy = token_entropy(logits) if train_cfg.entropy_coef != 0 else None
             advantages = mb.advantages
-            if tc.kl_in_reward and ref is not None:
-                advantages = advantages - tc.kl_coef * kl_penalty(old, ref, tc.kl_estimator)
+            if train_cfg.kl_in_reward and ref is not None:
+                advantages = advantages - train_cfg.kl_coef * kl_penalty(old, ref, train_cfg.kl_estimator)
             loss, m = policy_loss(lp, old, advantages, mb.loss_mask, mb.cu_seqlens, self.loss_cfg,
                                   rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
                                   global_denominator=denominator)
@@ -297,7 +300,7 @@ class TorchTrainer(Trainer):
         metrics["rollout_logprob_gap_mean"] = metrics.pop("rollout_logprob_abs_gap")
         metrics["loss"] = loss_total
 
-        clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        clip = train_cfg.grad_clip if train_cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         metrics["grad_norm"] = grad_norm
         if not math.isfinite(grad_norm):
@@ -314,10 +317,10 @@ class TorchTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         self.bad_steps += 1
         log.warning("train step skipped: %s (%d in a row, limit train.max_bad_steps=%d)",
-                    reason, self.bad_steps, self.cfg.max_bad_steps)
-        if self.bad_steps >= self.cfg.max_bad_steps:
+                    reason, self.bad_steps, self.train_cfg.max_bad_steps)
+        if self.bad_steps >= self.train_cfg.max_bad_steps:
             self.paused_reason = (f"{self.bad_steps} train steps in a row had a non-finite loss or gradient "
-                                  f"(train.max_bad_steps={self.cfg.max_bad_steps})")
+                                  f"(train.max_bad_steps={self.train_cfg.max_bad_steps})")
             log.error("training paused: %s", self.paused_reason)
         metrics["bad_steps"] = self.bad_steps
         return StepResult(False, metrics, reason)
@@ -356,7 +359,8 @@ class TorchTrainer(Trainer):
                     if key in deltas:
                         value = value + deltas[key]
                     state[key.replace(".base_layer.", ".")] = value
-            return {k: v.detach().to(device=self.serve_device, dtype=self.serve_dtype, copy=True) for k, v in state.items()}
+            return {k: v.detach().to(device=self.serve_device, dtype=self.serve_dtype, copy=True)
+                    for k, v in state.items()}
 
     def _trainable_named(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
