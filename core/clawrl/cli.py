@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--run-dir", required=True)
     ex.add_argument("--out", default="-", help="output file (default: stdout)")
 
+    d = sub.add_parser("demo", help="watch a method learn a simulated user's hidden preference")
+    d.add_argument("overrides", nargs="*", help="method=rl and key=value overrides (demo.*, train.*, ...)")
+
     rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")
     rb.add_argument("--run-dir", required=True)
     rb.add_argument("--to", type=int, required=True, metavar="VERSION", help="the weight version to go back to")
@@ -72,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             from clawrl.sessions_cli import export_cli
 
             return export_cli(args)
+        if args.cmd == "demo":
+            from clawrl.demo.run import demo_cli
+
+            return demo_cli(args)
         if args.cmd == "rollback":
             from clawrl.checkpoints import rollback_cli
 

@@ -164,6 +164,20 @@ class LoggingConfig:
 
 
 @dataclass
+class DemoConfig:
+    # The simulated user's hidden preference: bare (just the sum) | worked ("7 + 5 = 12").
+    user: str = "bare"
+    # Interactions with the simulated user: a question, the model's reply, the user's feedback.
+    interactions: int = 160
+    # Measure the preference-satisfaction rate before the first and after every N interactions.
+    eval_every: int = 40
+    # Held-out questions per measurement.
+    eval_prompts: int = 64
+    # Most tokens of a reply to a question.
+    max_tokens: int = 24
+
+
+@dataclass
 class ClawrlConfig:
     # Personal-agent method or environment: rl | opd | combine (set by each method's run.sh).
     method: str = "rl"
@@ -178,6 +192,8 @@ class ClawrlConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # ``clawrl demo`` only: the simulated user and how the demo measures learning.
+    demo: DemoConfig = field(default_factory=DemoConfig)
 
 
 def all_keys(cls=ClawrlConfig, prefix: str = "") -> list[str]:

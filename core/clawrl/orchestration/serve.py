@@ -66,10 +66,12 @@ def serve_cli(args) -> int:
     from clawrl.engines.base import EngineError
     from clawrl.gateway.app import create_app
     from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
+    from clawrl.orchestration.learner import attach_learning, check_method
     from clawrl.sessions import SessionLinker
     from clawrl.store import StoreError, TurnStore
 
     cfg = compose(args.overrides, args.config)
+    check_method(cfg.method)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_server_auth(cfg.server)
@@ -84,6 +86,7 @@ def serve_cli(args) -> int:
             raise CliError(str(e)) from None
         linker = SessionLinker(store, idle_timeout_s=cfg.sessions.idle_timeout_s)
         app = create_app(cfg, engine, linker)
+        attach_learning(app, cfg, engine, store)  # judging and training beside serving, per cfg.method
         info = engine.model_info()
         host, port = sock.getsockname()[:2]
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)

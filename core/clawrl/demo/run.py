@@ -1,0 +1,169 @@
+"""The demo loop: gateway + learner in-process, a simulated user over HTTP, measurements, outputs.
+
+Why in-process and over HTTP at once: the user must go through exactly what a real client goes
+through (the OpenAI API, session linking by prefix, next states), while the demo must know when
+the learner has caught up before it measures. ``Learner.settle`` gives the second; a uvicorn server
+on a free port in the same event loop gives the first.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Learning settings that make the embedded model learn a preference within ~160 interactions
+# (measured, see BENCHMARKS.md "Learning (issue 4)"). The user's own overrides come after and win.
+DEMO_DEFAULTS = (
+    "server.port=0",
+    "train.batch_size=8",
+    "train.lr=1e-3",
+    "train.save_every=5",
+    "engine.max_batch_size=64",
+)
+SERVING_TEMPERATURE = 1.0  # the trainer recomputes logprobs at temperature 1: sample at it too
+
+
+@dataclass
+class Point:
+    interactions: int
+    rate: float  # preference satisfied on the held-out questions
+    weight_version: int
+    train_step: int
+    online_rate: float | None  # satisfied among the interactions since the previous point
+    seconds: float  # since the demo started
+
+
+async def run_demo(cfg) -> list[Point]:
+    """Run the whole demo for a composed config; returns the measured points."""
+    import openai
+    import uvicorn
+    from tqdm import tqdm
+
+    from clawrl.demo.evaluation import held_out_questions, preference_rate
+    from clawrl.demo.users import ask, make_user
+    from clawrl.engines import make_engine
+    from clawrl.gateway.app import create_app
+    from clawrl.orchestration.learner import attach_learning
+    from clawrl.orchestration.serve import bind_socket
+    from clawrl.sessions import SessionLinker
+    from clawrl.store import TurnStore
+
+    demo = cfg.demo
+    user = make_user(demo.user)
+    engine = await asyncio.to_thread(make_engine, cfg)
+    store = TurnStore(cfg.run_dir)
+    app = create_app(cfg, engine, SessionLinker(store, idle_timeout_s=cfg.sessions.idle_timeout_s))
+    learner = attach_learning(app, cfg, engine, store)
+    sock = bind_socket(cfg.server.host, cfg.server.port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    started = time.monotonic()
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()  # startup failed: raise its error
+                raise RuntimeError("the demo server stopped during startup")
+            await asyncio.sleep(0.05)
+        port = sock.getsockname()[1]
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=cfg.server.api_key or "none",
+                                    max_retries=2, timeout=300)
+        model = engine.model_info().name
+        rng = random.Random(f"demo-user-{cfg.seed}")
+        held_out = held_out_questions(demo.eval_prompts, cfg.seed)
+        points: list[Point] = []
+        window: list[bool] = []
+
+        async def measure(k: int) -> None:
+            if learner is not None:
+                await learner.settle()
+            rate, _ = await preference_rate(client, model, user, held_out, SERVING_TEMPERATURE, demo.max_tokens,
+                                            cfg.seed)
+            online = sum(window) / len(window) if window else None
+            window.clear()
+            step = learner.trainer.step if learner is not None else 0
+            points.append(Point(k, rate, engine.model_info().weight_version, step, online,
+                                round(time.monotonic() - started, 1)))
+            log.info("after %d interactions: %.0f%% of %d held-out questions answered the way the user likes "
+                     "(weight version %d, train step %d)", k, 100 * rate, len(held_out),
+                     points[-1].weight_version, step)
+
+        await measure(0)
+        for i in tqdm(range(1, demo.interactions + 1), desc="interactions", unit="chat"):
+            q = ask(rng, held_out=False)
+            asked = [{"role": "user", "content": q.text}]
+            r = await client.chat.completions.create(model=model, messages=asked, temperature=SERVING_TEMPERATURE,
+                                                     max_tokens=demo.max_tokens, seed=rng.randrange(1 << 31))
+            reply = r.choices[0].message.content or ""
+            window.append(user.satisfied(q, reply))
+            # The feedback is the next state of the reply's turn; the session ends with it, so the
+            # model's answer to the feedback itself (one token) is stored but never judged.
+            feedback = user.feedback(q, reply, rng)
+            await client.chat.completions.create(
+                model=model, max_tokens=1, temperature=SERVING_TEMPERATURE, extra_headers={"X-Session-Done": "1"},
+                messages=asked + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}])
+            if i % demo.eval_every == 0 or i == demo.interactions:
+                await measure(i)
+        return points
+    finally:
+        server.should_exit = True
+        await serving
+        sock.close()
+        store.close()
+
+
+def write_outputs(points: list[Point], cfg, out_dir: Path) -> tuple[Path, Path, str]:
+    """results.json, results.md (the table) and preference_rate.png; returns (png, md, table)."""
+    from clawrl.demo.plot import plot_curves
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = ["| interactions | held-out rate | weight version | train steps | satisfied since last row | s |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for p in points:
+        online = "" if p.online_rate is None else f"{p.online_rate:.2f}"
+        rows.append(f"| {p.interactions} | {p.rate:.2f} | {p.weight_version} | {p.train_step} | {online} | "
+                    f"{p.seconds:.0f} |")
+    rise = points[-1].rate - points[0].rate
+    table = "\n".join(rows) + f"\n\nrise: {points[0].rate:.2f} -> {points[-1].rate:.2f} ({rise:+.2f})\n"
+    (out_dir / "results.md").write_text(table)
+    (out_dir / "results.json").write_text(json.dumps({
+        "method": cfg.method, "user": cfg.demo.user, "seed": cfg.seed, "train_enabled": cfg.train.enabled,
+        "lr": cfg.train.lr, "batch_size": cfg.train.batch_size, "points": [asdict(p) for p in points]}, indent=2))
+    label = f"method={cfg.method} seed={cfg.seed}" + ("" if cfg.train.enabled else " (no training)")
+    png = plot_curves({label: [(p.interactions, p.rate) for p in points]}, out_dir / "preference_rate.png",
+                      f"simulated user '{cfg.demo.user}': preference satisfied")
+    return png, out_dir / "results.md", table
+
+
+def demo_cli(args) -> int:
+    """``clawrl demo method=rl [key=value ...]``."""
+    from clawrl.cli import CliError
+    from clawrl.config import compose
+    from clawrl.orchestration.learner import check_method
+
+    overrides = list(args.overrides)
+    if not any(o.startswith("run_dir=") for o in overrides):
+        # A fresh directory per demo: an old run's checkpoint would resume and spoil the curve.
+        overrides.append(f"run_dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = compose([*DEMO_DEFAULTS, *overrides])
+    check_method(cfg.method)
+    run_dir = Path(cfg.run_dir)
+    if (run_dir / "clawrl.sqlite").exists():
+        raise CliError(f"run_dir={run_dir} already holds a run; the demo needs a fresh directory")
+    demo = cfg.demo
+    if demo.interactions < 1 or demo.eval_every < 1 or demo.eval_prompts < 1 or demo.max_tokens < 1:
+        raise CliError("demo.interactions, demo.eval_every, demo.eval_prompts and demo.max_tokens must be >= 1")
+    logging.basicConfig(level=getattr(logging, cfg.logging.level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"clawrl demo: method={cfg.method}, simulated user '{demo.user}', {demo.interactions} interactions, "
+          f"{demo.eval_prompts} held-out questions every {demo.eval_every}; writing to {run_dir}", flush=True)
+    points = asyncio.run(run_demo(cfg))
+    png, md, table = write_outputs(points, cfg, run_dir / "demo")
+    print(table, flush=True)
+    print(f"clawrl demo: table in {md}, plot in {png}", flush=True)
+    return 0

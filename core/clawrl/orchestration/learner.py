@@ -1,0 +1,345 @@
+"""Binary RL beside the gateway: judge served turns by what came next, train, serve the new weights.
+
+Four things run at once in the server's event loop, and serving never waits on the other three:
+
+- the gateway serves and records turns (``clawrl.gateway``);
+- the ``JudgeWorker`` turns closed turns into samples and scores each by its next state
+  (+1 / -1, or skipped with a reason), ``judge.concurrency`` at a time;
+- the training loop (``Learner._train_loop``) waits until ``train.batch_size`` samples are ready,
+  takes them, runs one optimizer step in a worker thread (torch releases the GIL, so tokens keep
+  streaming), pushes the new weights to the engine as the next version (swapped between decode
+  steps, never a 503), marks the samples trained, checkpoints every ``train.save_every`` steps and
+  logs what it trained and what it skipped and why;
+- admin routes pause and resume *training only* (``POST /admin/pause``, ``/admin/resume``) and
+  ``GET /admin/status`` reports samples, steps, the last loss and why training is paused.
+
+On start the learner resumes from the newest checkpoint (trainer weights, optimizer, step, and the
+engine serving those weights under the checkpoint's version) and returns to ready every sample
+whose update was lost with the newer weights (``RolloutBuffer.requeue_after_restore``), so each
+sample trains exactly once in the surviving lineage.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import Counter
+from typing import Optional
+
+from fastapi import FastAPI, Request
+
+from clawrl.buffer import JudgeWorker, RolloutBuffer
+from clawrl.config import ClawrlConfig, ConfigError
+from clawrl.engines.base import Engine
+from clawrl.judges import make_judge
+from clawrl.samples import Sample
+from clawrl.store import TurnStore
+from clawrl.weight_sync import InProcessWeightSync
+
+log = logging.getLogger(__name__)
+
+METHODS_BUILT = ("rl",)
+METHODS_LATER = ("opd", "combine")
+
+
+def check_method(method: str) -> None:
+    """Only Binary RL is built; the other methods are a later issue and say so in one line."""
+    if method in METHODS_BUILT:
+        return
+    if method in METHODS_LATER:
+        raise ConfigError(f"method={method} is not built yet (a later issue); use method=rl")
+    raise ConfigError(f"unknown method '{method}'; choose one of {', '.join(METHODS_BUILT + METHODS_LATER)}")
+
+
+class Learner:
+    """Judging and training for one run; see the module docstring.
+
+    ``start()`` after the engine has started; ``stop()`` before it shuts down. ``pause()`` /
+    ``resume()`` act between train steps (a step in flight finishes and its weights are served).
+    """
+
+    def __init__(self, cfg: ClawrlConfig, engine: Engine, store: TurnStore, poll_s: float = 0.25):
+        from clawrl.checkpoints import CheckpointStore
+        from clawrl.metrics import MetricsLogger
+
+        check_method(cfg.method)
+        self.cfg, self.engine, self.store, self.poll_s = cfg, engine, store, poll_s
+        self.buffer = RolloutBuffer(store, cfg.train)
+        self.judge_engine: Optional[Engine] = None
+        self.worker: Optional[JudgeWorker] = None
+        self.checkpoints = CheckpointStore(store.run_dir, cfg.train)
+        self.metrics = MetricsLogger(store.run_dir, cfg.logging, run_config=dataclasses.asdict(cfg))
+        self.sync = InProcessWeightSync(engine)
+        self.trainer = None
+        self._resume_step, self._resume_version = 0, 0
+        self.admin_pause: Optional[str] = None  # why an operator paused training
+        self.last_loss: Optional[float] = None
+        self.last_step_at: Optional[float] = None
+        self.last_step_skip: Optional[str] = None  # why the latest attempted step did not update
+        self.stepping = False
+        self._task: Optional[asyncio.Task] = None
+        self._wake = asyncio.Event()
+        self._skip_mark = 0.0  # skips logged up to this time
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def prepare(self) -> None:
+        """Build the trainer (and a PRM judge's engine) and load the newest checkpoint into it.
+
+        Synchronous and before serving, so a bad setting or an unusable checkpoint is a one-line
+        error at startup rather than a failure inside the running server."""
+        from dataclasses import replace
+
+        from clawrl.engines import make_engine
+        from clawrl.trainers import make_trainer
+
+        model_path = str(self.engine.model_info().path)
+        self.trainer = make_trainer(self.cfg, model_path)
+        resumed = self.checkpoints.resume(self.trainer)
+        if resumed is not None:
+            self._resume_step, self._resume_version = resumed.step, resumed.weight_version
+        else:
+            # No usable checkpoint: the base weights. If versions were served before (a crash before
+            # the first checkpoint), they come back under a new number, so versions never repeat.
+            served = self.checkpoints.high_water()
+            self._resume_step, self._resume_version = 0, served + 1 if served else 0
+        if self.cfg.judge.kind == "prm":
+            # The PRM judge scores with its own frozen engine (judge.model.path, or the base policy as
+            # it was before training), so the judge never drifts with the weights it judges.
+            model = replace(self.cfg.model, path=self.cfg.judge.model.path or model_path, name=None)
+            self.judge_engine = make_engine(replace(self.cfg, model=model))
+        self.worker = JudgeWorker(self.buffer, make_judge(self.cfg.judge, self.judge_engine), self.cfg.judge)
+
+    async def start(self) -> None:
+        """Serve the resumed weights, requeue lost updates, start judging and training."""
+        if self.trainer is None:
+            await asyncio.to_thread(self.prepare)
+        version = self._resume_version
+        if version > self.sync.version:
+            await self.sync.push(self.trainer, version)
+            await asyncio.to_thread(self.checkpoints.record_version, version)
+        requeued = await asyncio.to_thread(self.buffer.requeue_after_restore, self._resume_step)
+        if self.judge_engine is not None:
+            await self.judge_engine.start()
+        self.worker.start()
+        self._skip_mark = time.time()
+        self._task = asyncio.get_running_loop().create_task(self._train_loop(), name="clawrl-train-loop")
+        log.info("learning: method=%s, %s judge, batches of %d, lr %g; train step %d, serving weight version %d%s",
+                 self.cfg.method, self.cfg.judge.kind, self.cfg.train.batch_size, self.cfg.train.lr,
+                 self.trainer.step, self.sync.version,
+                 f"; {requeued} sample(s) whose update was lost are ready again" if requeued else "")
+
+    async def stop(self) -> None:
+        """Stop judging and training; a step in flight finishes first (its samples stay consumed and
+        are requeued on the next start)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.worker is not None:
+            await self.worker.stop()
+        if self.judge_engine is not None:
+            await self.judge_engine.shutdown()
+        self.metrics.close()
+
+    # ---------------------------------------------------------------- pause / resume
+
+    @property
+    def paused_reason(self) -> Optional[str]:
+        if self.admin_pause:
+            return self.admin_pause
+        return self.trainer.paused_reason if self.trainer is not None else None
+
+    def pause(self, reason: str = "paused by the admin") -> None:
+        if not self.admin_pause:
+            log.info("training paused (%s); serving continues", reason)
+        self.admin_pause = reason
+
+    def resume(self) -> None:
+        """Lift an admin pause and a trainer's self-pause (resuming is the operator's decision)."""
+        if self.trainer is not None and self.trainer.paused_reason:
+            log.info("training resumed after the trainer paused itself: %s", self.trainer.paused_reason)
+            self.trainer.clear_pause()
+        if self.admin_pause:
+            log.info("training resumed")
+        self.admin_pause = None
+        self._wake.set()
+
+    # ---------------------------------------------------------------- the loop
+
+    async def _train_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                if self.paused_reason is None:
+                    ready = (await asyncio.to_thread(self.buffer.counts))["ready"]
+                    if ready >= self.cfg.train.batch_size:
+                        await self.train_once()
+                        continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a store hiccup or a trainer bug must not end learning; logged, retried
+                log.exception("training loop: step failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+
+    async def train_once(self) -> bool:
+        """Take one batch and train on it; True if the weights changed (a new version is served)."""
+        version = self.sync.version
+        samples = await asyncio.to_thread(self.buffer.take_batch, self.cfg.train.batch_size, version)
+        if not samples:
+            return False
+        self.stepping = True
+        try:
+            # The step runs in a thread: the event loop keeps serving while torch computes.
+            result = await asyncio.to_thread(self.trainer.train_step, samples, version)
+        except Exception as e:
+            await asyncio.to_thread(self.buffer.mark_skipped, [s.sample_id for s in samples],
+                                    f"trainer_error: {type(e).__name__}")
+            log.error("train step failed on turns %s; skipped them: %s", _turns(samples), e)
+            return False
+        finally:
+            self.stepping = False
+        self.last_step_at = time.time()
+        if not result.ok:
+            self.last_step_skip = result.skipped_reason
+            await asyncio.to_thread(self.buffer.mark_skipped, [s.sample_id for s in samples],
+                                    f"train_step_{result.skipped_reason}")
+            log.warning("train step did not update (%s); turns %s skipped%s", result.skipped_reason, _turns(samples),
+                        f"; training paused: {self.trainer.paused_reason}" if self.trainer.paused_reason else "")
+            self.metrics.log_step(self.trainer.step, {**result.metrics, "skipped": result.skipped_reason})
+            return False
+        new_version = version + 1
+        sync_ms = await self.sync.push(self.trainer, new_version)
+        step = self.trainer.step
+        await asyncio.to_thread(self.buffer.mark_trained, [s.sample_id for s in samples], step, new_version)
+        self.last_loss = result.metrics.get("loss")
+        self.last_step_skip = None
+        await asyncio.to_thread(self.checkpoints.after_step, self.trainer, new_version)
+        skipped = await asyncio.to_thread(self._skips_since_last_step)
+        self.metrics.log_step(step, {**result.metrics, "weight_version": new_version})
+        self.metrics.log_version(new_version, {"weight_sync_ms": sync_ms, "train_step": step,
+                                               "samples_trained": len(samples), "samples_skipped": len(skipped),
+                                               "reward_mean": result.metrics.get("reward_mean")})
+        log.info("train step %d -> weight version %d: loss %.4f; trained turns %s; skipped since the last step: %s",
+                 step, new_version, self.last_loss or 0.0, _turns(samples),
+                 ", ".join(f"turn {t} ({why})" for t, why in skipped) or "none")
+        return True
+
+    def _skips_since_last_step(self) -> list[tuple[int, str]]:
+        """(turn, reason) of samples skipped since the previous step's log line."""
+        mark, self._skip_mark = self._skip_mark, time.time()
+        rows = self.store._conn().execute(
+            "SELECT turn_id, skip_reason FROM samples WHERE state = 'skipped' AND done_at > ? AND done_at <= ? "
+            "ORDER BY turn_id", (mark, self._skip_mark))
+        return [(t, why) for t, why in rows]
+
+    async def settle(self, timeout_s: float = 120.0) -> None:
+        """Wait until every closed turn is judged and every full batch is trained (or training is
+        paused). For the demo and tests, which measure the model after a known amount of feedback."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.to_thread(self.buffer.sync)
+            counts = await asyncio.to_thread(self.buffer.counts)
+            busy = counts["pending"] or counts["judged"] or self.stepping or (
+                counts["ready"] >= self.cfg.train.batch_size and self.paused_reason is None)
+            if not busy:
+                return
+            self._wake.set()
+            if self.worker is not None:
+                self.worker.notify()
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"learning did not settle within {timeout_s:g} s")
+
+    # ---------------------------------------------------------------- status
+
+    def status(self) -> dict:
+        """The training section of ``/admin/status`` (synchronous: reads the store)."""
+        counts = self.buffer.counts()
+        judged = self.store._conn().execute("SELECT COUNT(DISTINCT sample_id) FROM votes").fetchone()[0]
+        return {
+            "enabled": True, "method": self.cfg.method, "judge": self.cfg.judge.kind,
+            "paused": self.paused_reason is not None, "paused_reason": self.paused_reason,
+            "train_step": self.trainer.step if self.trainer is not None else None,
+            "weight_version": self.sync.version, "last_loss": self.last_loss, "last_step_at": self.last_step_at,
+            "last_step_skipped": self.last_step_skip, "batch_size": self.cfg.train.batch_size,
+            "samples": {"judged": judged, "pending": counts["pending"], "ready": counts["ready"],
+                        "consumed": counts["consumed"], "trained": counts["trained"], "skipped": counts["skipped"],
+                        "skipped_by_reason": counts["skipped_by_reason"]},
+            "judge_votes": {"votes": counts["votes"], "garbage": counts["garbage_votes"],
+                            "agreement": counts["judge_agreement"]},
+        }
+
+
+def _turns(samples: list[Sample]) -> str:
+    rewards = Counter(f"{s.reward:+.0f}" for s in samples)
+    return (", ".join(str(s.turn_id) for s in samples)
+            + " (rewards " + ", ".join(f"{k} x{v}" for k, v in sorted(rewards.items())) + ")")
+
+
+def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: TurnStore) -> Optional[Learner]:
+    """Run a learner beside the gateway ``app``: started after the engine in the app's lifespan,
+    stopped before it, with the admin routes for pause/resume and a training section in
+    ``/admin/status``. ``train.enabled=false``: serve and record only (returns None)."""
+    check_method(cfg.method)
+    from clawrl.checkpoints import CheckpointError
+    from clawrl.cli import CliError
+    from clawrl.judges import JudgeError
+    from clawrl.trainers import TrainerError
+
+    gw = app.state.gateway
+    learner = None
+    if cfg.train.enabled:
+        try:
+            learner = Learner(cfg, engine, store)
+            learner.prepare()
+        except (CheckpointError, JudgeError, TrainerError, ValueError) as e:
+            raise CliError(str(e).splitlines()[0]) from None
+    app.state.learner = learner
+
+    if learner is None:
+        log.info("train.enabled=false: serving and recording turns only, no judging or training")
+        gw.status_sections.append(lambda: {"training": {"enabled": False, "method": cfg.method}})
+    else:
+        gw.status_sections.append(lambda: {"training": learner.status()})
+        inner = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(a):
+            async with inner(a) as state:
+                await learner.start()
+                try:
+                    yield state
+                finally:
+                    await learner.stop()
+
+        app.router.lifespan_context = lifespan
+
+    def admin(request: Request) -> None:
+        gw.admin_keys.check(request.headers.get("authorization"))
+
+    def refuse_disabled() -> None:
+        from clawrl.gateway.protocol import ApiError
+
+        raise ApiError(409, "training is disabled (train.enabled=false); nothing to pause or resume",
+                       code="training_disabled")
+
+    @app.post("/admin/pause")
+    async def admin_pause(request: Request):
+        admin(request)
+        if learner is None:
+            refuse_disabled()
+        learner.pause()
+        return {"paused": True, "paused_reason": learner.paused_reason}
+
+    @app.post("/admin/resume")
+    async def admin_resume(request: Request):
+        admin(request)
+        if learner is None:
+            refuse_disabled()
+        learner.resume()
+        return {"paused": learner.paused_reason is not None, "paused_reason": learner.paused_reason}
+
+    return learner
