@@ -10,7 +10,7 @@ import time
 import pytest
 
 from clawrl.config import ConfigError, LoggingConfig, WandbConfig, compose
-from clawrl.metrics import PROBE_TIMEOUT_S, MetricsLogger, configure_logging, wandb_reachable
+from clawrl.metrics import PROBE_TIMEOUT_S, MetricsLogger, configure_logging, public_config, wandb_reachable
 
 SECRET = "sk-proj-abcdefghijklmnopqrstuvwxyz0123456789ABCD"
 
@@ -77,3 +77,11 @@ def test_unknown_wandb_mode_and_log_level_are_config_errors(tmp_path):
         MetricsLogger(tmp_path, LoggingConfig(wandb=WandbConfig(mode="cloud")))
     with pytest.raises(ConfigError, match="logging.level=LOUD"):
         configure_logging(LoggingConfig(level="LOUD"))
+
+
+def test_public_config_drops_secret_fields_but_keeps_token_counts():
+    cfg = public_config({"server": {"api_key": SECRET, "admin_key": "x", "max_body_bytes": 1},
+                         "train": {"micro_batch_tokens": 16, "hf_token": "hf_x"}, "note": f"use {SECRET}"})
+    assert cfg["server"] == {"max_body_bytes": 1}
+    assert cfg["train"] == {"micro_batch_tokens": 16}
+    assert SECRET not in cfg["note"]

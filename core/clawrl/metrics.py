@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online", "disabled")
 PROBE_TIMEOUT_S = 2.0
-_SECRET_KEY = re.compile(r"key|token|secret|passw", re.IGNORECASE)
+# api_key, admin_key, hf_token, secret, password; not micro_batch_tokens or max_new_tokens
+_SECRET_KEY = re.compile(r"(key|secret|passw(or)?d|(^|_)token)$", re.IGNORECASE)
 
 
 def configure_logging(cfg: LoggingConfig) -> None:
