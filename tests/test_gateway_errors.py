@@ -119,6 +119,13 @@ def test_engine_failure_mid_stream_is_an_sse_error_and_an_error_turn(server):
             pass
 
 
+def test_engine_failure_mid_request_is_503_and_an_error_turn(server):
+    server.engine.fail_mid_stream = EngineError("decode step failed")
+    r = post(server, {}, headers={"X-Session-Id": "midfail-nonstream"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_error"
+    assert session_turns(server, "midfail-nonstream")[0]["status"] == "error"
+
+
 def test_client_disconnect_mid_stream_aborts_and_stores_an_aborted_turn(server):
     server.engine.force_long, server.engine.chunk_delay = True, 0.05
     before = len(server.engine.aborted)

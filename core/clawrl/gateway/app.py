@@ -65,6 +65,8 @@ class Admission:
             self.free -= n
             return
         if len(self._waiters) >= self.max_queue:
+            log.warning("queue full (%d waiting, %d of %d slots busy): answering 429", len(self._waiters),
+                        self.capacity - self.free, self.capacity)
             raise ApiError(429, f"server overloaded: {self.max_queue} requests already waiting; retry shortly",
                            type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -78,6 +80,10 @@ class Admission:
             else:
                 self._waiters.remove((n, fut))
             raise
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
 
     def release(self, n: int) -> None:
         self.free += self.slots(n)
@@ -225,7 +231,7 @@ class Turn:
         except BaseException as e:
             gone = isinstance(e, (anyio.get_cancelled_exc_class(), OSError, GeneratorExit))
             with anyio.CancelScope(shield=True):
-                await self._abort_unfinished()
+                await self.abort_unfinished()
                 await self._record("aborted" if gone else "error")
             log.info("turn %s %s after %d tokens", self.id, "aborted: client went away" if gone else f"failed: {e}",
                      sum(len(c.token_ids) for c in self.choices))
@@ -240,7 +246,7 @@ class Turn:
             self._released = True
             self.gw.admission.release(self.req.n)
 
-    async def _abort_unfinished(self) -> None:
+    async def abort_unfinished(self) -> None:
         for c in self.choices[: len(self._streams)]:
             if c.engine_finish is None:
                 await self.gw.engine.abort(c.request_id)
@@ -308,9 +314,10 @@ class Turn:
 
         try:
             await emit(b"".join(chunks.role(c.index) for c in self.choices))
-        except BaseException:  # gone before generation started: nothing to store
+        except BaseException:  # gone before generation started: an empty aborted turn
             with anyio.CancelScope(shield=True):
-                await self._abort_unfinished()
+                await self.abort_unfinished()
+                await self._record("aborted")
             self.release()
             raise
         try:
@@ -329,12 +336,18 @@ async def _ignore_events(c, events, chunk) -> None:
 
 
 async def _until_disconnect(receive, work) -> bool:
-    """Run ``work()`` unless the client disconnects first (then it is cancelled); True if it did."""
-    gone = False
+    """Run ``work()`` unless the client disconnects first (then it is cancelled); True if it did.
+    An exception from ``work`` is re-raised as itself, not wrapped in an exception group."""
+    gone, error = False, None
     async with anyio.create_task_group() as tg:
         async def run() -> None:
-            await work()
-            tg.cancel_scope.cancel()
+            nonlocal error
+            try:
+                await work()
+            except Exception as e:
+                error = e
+            finally:
+                tg.cancel_scope.cancel()
 
         async def watch() -> None:
             nonlocal gone
@@ -345,6 +358,8 @@ async def _until_disconnect(receive, work) -> bool:
 
         tg.start_soon(run)
         tg.start_soon(watch)
+    if error is not None:
+        raise error
     return gone
 
 
@@ -480,7 +495,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
             turn.open()
         except BaseException as e:
             if turn is not None:
-                await turn._abort_unfinished()
+                await turn.abort_unfinished()
             gw.admission.release(req.n)
             if isinstance(e, SessionInputError):
                 raise bad_request(str(e), code="invalid_session") from None
@@ -505,7 +520,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         counts = await asyncio.to_thread(store.status_counts)
         out = {"model": gw.model_name, "weight_version": engine.model_info().weight_version,
                "engine": await engine.health(), "queue": {"free_slots": gw.admission.free,
-                                                          "waiting": len(gw.admission._waiters)}, **counts}
+                                                          "waiting": gw.admission.waiting}, **counts}
         for section in gw.status_sections:
             out.update(await asyncio.to_thread(section))
         return out

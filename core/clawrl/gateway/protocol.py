@@ -37,8 +37,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 # Implemented parameters. ``session_id`` is clawrl's own (read by ``SessionHints``; the
-# X-Session-Id header wins over it). ``store`` is accepted for client compatibility only:
-# clawrl stores every turn, which is its purpose.
+# X-Session-Id header wins over it). ``top_k`` is the common extension (vLLM, SGLang).
+# ``store`` is accepted for client compatibility only: clawrl stores every turn, its purpose.
 SUPPORTED = {
     "model", "messages", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "stop",
     "n", "seed", "tools", "tool_choice", "logprobs", "top_logprobs", "stream", "stream_options",
