@@ -357,6 +357,28 @@ def test_session_headers_name_the_session_and_turn_type(server):
     assert turn["response_text"] == PLAIN_ANSWER
 
 
+def test_turn_is_stored_before_the_finish_chunk_is_sent(server):
+    body = {"model": "tiny", "temperature": 0, "messages": HI, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Session-Id": "durable-first"}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"]:
+                # the client has not read [DONE] yet, and the turn is already committed
+                (turn,) = server.store.get_session("durable-first")["turns"]
+                assert turn["status"] == "complete" and turn["response_text"] == PLAIN_ANSWER
+                break
+        else:
+            raise AssertionError("no finish chunk")
+
+
+def test_body_session_id_and_session_done_header(server):
+    r = raw_post(server, {"model": "tiny", "temperature": 0, "messages": HI, "session_id": "from-body"},
+                 headers={"X-Session-Done": "1"})
+    assert r.headers["x-session-id"] == "from-body"
+    (turn,) = admin_get(server, "/admin/sessions/from-body")["turns"]
+    assert turn["close_reason"] == "session_done"
+
+
 def test_admin_api_status_sessions_and_relabel(server):
     r = raw_post(server, {"model": "tiny", "temperature": 0, "messages": HI}, headers={"X-Session-Id": "adm-1"})
     turn_id = int(r.headers["x-turn-ids"])

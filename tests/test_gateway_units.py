@@ -259,3 +259,13 @@ def test_truncate_history_keeps_system_and_latest_turns_whole(tok):
     assert kept[0]["role"] == "user"  # the cut falls at a turn start: no call is split from its result
     # nothing fits but the system prompt and the last message: still an error, not a broken prompt
     assert err(render_prompt, tok, req, 10, True).code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("name", ["chat_turn1", "chat_turn2", "tool_turn1", "tool_turn2"])
+def test_real_openclaw_requests_validate(name):
+    from pathlib import Path
+
+    body = json.loads((Path(__file__).parent / "fixtures" / "openclaw-2026.9.6" / f"{name}.json").read_text())["body"]
+    req = parse_chat_request(body)
+    assert req.stream and req.include_usage and req.max_tokens == 512 and len(req.tools) == 12
+    assert all(isinstance(m["content"], str) for m in req.messages if m["role"] != "assistant")
