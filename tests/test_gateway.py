@@ -336,6 +336,9 @@ def test_unknown_route_and_method_are_openai_errors(server):
 
 def test_models_and_healthz(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
     h = httpx.get(server.url + "/healthz").json()
     assert h["ok"] is True and h["model"] == "tiny"
 

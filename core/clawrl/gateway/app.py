@@ -121,6 +121,7 @@ class Choice:
 
     @property
     def finish_reason(self) -> str:
+        """OpenAI's reason: stop | length | tool_calls (a model-ended turn that called tools)."""
         if self.stop_cut or self.engine_finish == "stop":
             return "tool_calls" if self.decoder.tools.calls else "stop"
         return self.engine_finish or "abort"
@@ -222,6 +223,8 @@ class Turn:
                 c.stop_cut = True  # the text hit a stop string the engine has not matched (yet)
                 await self.gw.engine.abort(c.request_id)
         for c in self.choices:
+            if c.engine_finish == "abort" and not c.stop_cut:  # not ours: e.g. the engine is shutting down
+                raise EngineError("the engine aborted the request")
             await on_events(c, c.decoder.finish(), None)
 
     async def execute(self, on_events) -> None:
@@ -469,11 +472,21 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
                              "weight_version": health.get("weight_version")},
                             status_code=200 if health.get("ok") else 503)
 
+    def model_card() -> dict:
+        return {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "clawrl",
+                "context_window": gw.max_context}
+
     @app.get("/v1/models")
     async def models(request: Request):
         gw.api_keys.check(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": gw.created,
-                                            "owned_by": "clawrl", "context_window": gw.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        gw.api_keys.check(request.headers.get("authorization"))
+        if model_id != gw.model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
