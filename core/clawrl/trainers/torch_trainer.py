@@ -11,6 +11,9 @@ One ``train_step`` is one optimizer step on a list of samples:
    restarting per sequence and a block-diagonal causal mask, so every sequence sees exactly what
    it would see alone (no padding waste, no cross-talk). Only the logits that predict response
    tokens are materialised (``logits_to_keep``), which bounds the ``[tokens, vocab]`` tensor.
+   The mask is dense, so attention in a micro-batch of several sequences costs O(L^2) in its
+   total length L (a micro-batch of one sequence uses the model's own causal path); on CPU, many
+   short samples train faster with a smaller ``train.micro_batch_tokens``.
 2. Before any update, the current weights recompute every response token's logprob: this is
    ``pi_old`` (PPO ratio 1 at the start). The engine's logprobs from the sample are the rollout
    reference for TIS/IcePop, and the gap between the two is logged. With ``kl_coef > 0`` the
