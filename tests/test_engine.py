@@ -427,3 +427,23 @@ def test_sglang_backend_without_sglang_is_a_clear_error():
         make_engine(compose(["engine.backend=sglang"]))
     with pytest.raises(EngineError, match="unknown engine.backend 'vllm'"):
         make_engine(compose(["engine.backend=vllm"]))
+
+
+def test_prefix_hit_on_kv_written_during_batched_decoding(loaded):
+    ps = prompts(3, vocab(loaded), seed=23)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+
+    async def go():
+        async with running(loaded) as eng:
+            first = await asyncio.gather(*(eng.generate(p, params) for p in ps))  # decoded as one batch
+            follow = ps[1] + first[1].token_ids + [7, 8, 9]
+            hit = await eng.generate(follow, GREEDY)
+            await eng.flush_cache()
+            cold = await eng.generate(follow, GREEDY)
+            return first, hit, cold
+
+    first, hit, cold = run(go())
+    assert hit.cached_prompt_tokens == len(ps[1]) + len(first[1].token_ids) - 1
+    assert cold.cached_prompt_tokens == 0
+    assert hit.token_ids == cold.token_ids
+    assert hit.logprobs == pytest.approx(cold.logprobs, abs=1e-4)

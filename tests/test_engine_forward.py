@@ -84,3 +84,27 @@ def test_sliding_window_models_take_the_generic_path():
     qwen2 = AutoModelForCausalLM.from_config(Qwen2Config(use_sliding_window=True, sliding_window=512,
                                                          max_window_layers=1, **small))
     assert "sliding-window" in unsupported_reason(qwen2)
+
+
+def test_batched_decode_writes_back_every_sequences_own_kv(tmp_path):
+    lm = load_model(str(make_model_dir(tmp_path / "q", "qwen3")), device="cpu")
+    rf = RaggedForward(lm.model)
+    g = torch.Generator().manual_seed(2)
+    vocab = lm.model.config.vocab_size
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (11, 4, 7)]
+    steps = [torch.randint(0, vocab, (3,), generator=g).tolist() for _ in range(6)]
+    with torch.no_grad():
+        kvs = [rf.new_kv(8, 64) for _ in seqs]
+        rf.forward([Segment(kv, s, []) for kv, s in zip(kvs, seqs)])
+        for toks in steps:  # one token each: the padded decode batch
+            rf.forward([Segment(kv, [t], [0]) for kv, t in zip(kvs, toks)])
+        rf.sync()
+        reference = RaggedForward(lm.model)  # its own decode batch: rf's stays untouched
+        for i, (kv, s) in enumerate(zip(kvs, seqs)):
+            full = s + [toks[i] for toks in steps]
+            fresh = reference.new_kv(64, 64)
+            reference.forward([Segment(fresh, full, [])])
+            assert kv.length == fresh.length == len(full)
+            for (k, v), (fk, fv) in zip(kv.layers, fresh.layers):
+                torch.testing.assert_close(k[: len(full)], fk[: len(full)], atol=1e-4, rtol=0)
+                torch.testing.assert_close(v[: len(full)], fv[: len(full)], atol=1e-4, rtol=0)

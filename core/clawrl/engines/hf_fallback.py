@@ -32,6 +32,9 @@ class HFForward:
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
+    def sync(self) -> None:
+        """Each request's HF cache is always complete."""
+
     def release(self) -> None:
         """Nothing is kept between steps."""
 

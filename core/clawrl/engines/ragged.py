@@ -128,8 +128,13 @@ class RaggedForward:
         self.scaling = attn.scaling
         self._pool = _DecodePool()
 
+    def sync(self) -> None:
+        """Make every sequence's own KV buffers complete (the decode batch appends only to itself)."""
+        self._pool.sync()
+
     def release(self) -> None:
-        """Drop step-to-step state (the padded decode batch) when the engine goes idle."""
+        """Write back and drop the padded decode batch (no batched decoders now)."""
+        self._pool.sync()
         self._pool = _DecodePool()
 
     def new_kv(self, capacity: int, max_tokens: int) -> SeqKV:
@@ -157,7 +162,8 @@ class RaggedForward:
         batched = [i for i, (st, n) in enumerate(zip(starts, lens)) if n == 1 and st < BATCH_DECODE_MAX_CONTEXT]
         if len(batched) < 2:
             batched = []
-        single = [i for i in range(len(segments)) if i not in set(batched)]
+        in_batch = set(batched)
+        single = [i for i in range(len(segments)) if i not in in_batch]
         masks = {i: self._mask(starts[i], lens[i], dev) for i in single}
         if batched:
             rows_b = torch.tensor([offs[i] for i in batched], device=dev)
@@ -165,6 +171,8 @@ class RaggedForward:
             width = max(starts[i] for i in batched) + 1
             pad_mask = (torch.arange(width, device=dev)[None, :] <= pos_b[:, None])[:, None, None, :]
             pool = self._pool.prepare([segments[i].kv for i in batched], [starts[i] for i in batched])
+        else:
+            self.release()
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -188,8 +196,7 @@ class RaggedForward:
                 )
                 out[off: off + n] = o[0].transpose(0, 1).reshape(n, -1)
             if batched:
-                out[rows_b] = self._batched_decode(li, [segments[i] for i in batched], [starts[i] for i in batched],
-                                                   q[rows_b], k[rows_b], v[rows_b], pool, pos_b, width, pad_mask)
+                out[rows_b] = self._batched_decode(li, q[rows_b], k[rows_b], v[rows_b], pool, pos_b, width, pad_mask)
             x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         for s, n in zip(segments, lens):
@@ -203,20 +210,16 @@ class RaggedForward:
         hidden = self.inner.norm(x[torch.tensor(rows, device=dev)])
         return self.model.lm_head(hidden).float()
 
-    def _batched_decode(self, li, segs, starts, q, k, v, pool, pos, width, pad_mask) -> torch.Tensor:
-        """One query per sequence against its own KV, all sequences in one padded SDPA call."""
-        for seg, st, kt, vt in zip(segs, starts, k, v):
-            kb, vb = seg.kv.layers[li]
-            kb[st] = kt
-            vb[st] = vt
+    def _batched_decode(self, li, q, k, v, pool, pos, width, pad_mask) -> torch.Tensor:
+        """One query per sequence against its KV, all sequences in one padded SDPA call."""
         kp, vp = pool.layers[li]
-        rows = torch.arange(len(segs), device=kp.device)
+        rows = torch.arange(q.shape[0], device=kp.device)
         kp[rows, pos] = k
         vp[rows, pos] = v
         o = F.scaled_dot_product_attention(
             q[:, :, None], kp[:, :width].transpose(1, 2), vp[:, :width].transpose(1, 2), attn_mask=pad_mask,
             scale=self.scaling, enable_gqa=self.kv_heads != self.n_heads)
-        return o.reshape(len(segs), -1)
+        return o.reshape(q.shape[0], -1)
 
     @staticmethod
     def _mask(start: int, n: int, dev) -> torch.Tensor | None:
@@ -229,17 +232,20 @@ class RaggedForward:
 
 
 class _DecodePool:
-    """The padded ``[batch, capacity, kv_heads, head_dim]`` copy of the batched decoders' KV.
+    """The padded ``[batch, capacity, kv_heads, head_dim]`` KV of the batched decoders.
 
-    A pure cache of the sequences' own buffers (which stay authoritative): while the set of
-    decoding sequences is unchanged, each step only appends one position per sequence here,
-    instead of re-padding every sequence's whole KV. It is rebuilt when a sequence joins or
-    leaves, which in steady decoding is rare.
+    While the set of decoding sequences is unchanged, each step appends one position per
+    sequence here, one op per layer, instead of re-padding every sequence's whole KV or writing
+    each sequence's buffers separately (a kernel launch each on a GPU). Positions appended here
+    are written back to the sequences' own buffers (``sync``) before anything else reads those:
+    when the batch changes, and when the engine caches or retires a sequence. The batch is
+    rebuilt when a sequence joins or leaves, which in steady decoding is rare.
     """
 
     def __init__(self):
         self.members: list = []
-        self.lengths: list[int] = []
+        self.lengths: list[int] = []  # positions held here, per member
+        self.synced: list[int] = []  # positions already in the member's own buffers
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def prepare(self, kvs: list, starts: list[int]) -> "_DecodePool":
@@ -247,15 +253,28 @@ class _DecodePool:
         reusable = (len(kvs) == len(self.members) and all(a is b for a, b in zip(kvs, self.members))
                     and starts == self.lengths and max(starts) < capacity)
         if not reusable:
+            self.sync()
             self._rebuild(kvs, starts)
         self.lengths = [st + 1 for st in starts]  # after this step's append
         return self
+
+    def sync(self) -> None:
+        for row, kv in enumerate(self.members):
+            end = min(self.lengths[row], kv.length)  # a failed step appended nothing valid
+            start = self.synced[row]
+            if end <= start:
+                continue
+            for (k, v), (kp, vp) in zip(kv.layers, self.layers):
+                k[start:end] = kp[row, start:end]
+                v[start:end] = vp[row, start:end]
+            self.synced[row] = end
 
     def _rebuild(self, kvs: list, starts: list[int]) -> None:
         capacity = 64
         while capacity <= max(starts) + 16:  # headroom: appends for a while before growing
             capacity *= 2
         self.members = list(kvs)
+        self.synced = list(starts)
         self.layers = []
         for li in range(len(kvs[0].layers)):
             k0 = kvs[0].layers[li][0]

@@ -470,6 +470,7 @@ class TorchEngine(Engine):
 
     def _remember(self, tokens: list[int], req: _Request) -> None:
         if req.kv_version == self.weight_version:
+            self.runner.sync()  # the entry's KV must be complete before others copy from it
             self.prefix_cache.insert(tokens, req.kv)
 
     def _retire(self, req: _Request) -> None:
