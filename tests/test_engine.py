@@ -181,17 +181,20 @@ def test_chunked_prefill_keeps_other_requests_decoding(loaded):
     assert order[:12] == ["short"] * 12 and order[12:] == ["long"] * 2
 
 
-def test_top_k_one_equals_greedy(loaded):
+def test_top_k_one_and_tiny_top_p_equal_greedy(loaded):
     p = prompts(1, vocab(loaded), seed=12)[0]
 
     async def go():
         async with running(loaded) as eng:
             g = await eng.generate(p, GREEDY)
             k1 = await eng.generate(p, SamplingParams(max_new_tokens=16, temperature=1.3, top_k=1, ignore_eos=True))
-            return g, k1
+            p0 = await eng.generate(p, SamplingParams(max_new_tokens=16, temperature=1.3, top_p=1e-6, ignore_eos=True))
+            return g, k1, p0
 
-    g, k1 = run(go())
-    assert k1.token_ids == g.token_ids
+    g, k1, p0 = run(go())
+    assert k1.token_ids == g.token_ids and p0.token_ids == g.token_ids
+    # logprobs are of the full tempered distribution, not of the truncated one (which would be 0)
+    assert all(lp < 0 for lp in k1.logprobs)
 
 
 def test_same_seed_gives_same_tokens_even_when_batched(loaded):
