@@ -86,7 +86,7 @@ async def run_demo(cfg) -> list[Point]:
                                             cfg.seed)
             online = sum(window) / len(window) if window else None
             window.clear()
-            step = learner.trainer.step if learner is not None else 0
+            step = learner.train_step if learner is not None else 0
             points.append(Point(k, rate, engine.model_info().weight_version, step, online,
                                 round(time.monotonic() - started, 1)))
             log.info("after %d interactions: %.0f%% of %d held-out questions answered the way the user likes "
@@ -97,15 +97,19 @@ async def run_demo(cfg) -> list[Point]:
         for i in tqdm(range(1, demo.interactions + 1), desc="interactions", unit="chat"):
             q = ask(rng, held_out=False)
             asked = [{"role": "user", "content": q.text}]
+            # One session per interaction, named by header as OpenClaw's rl-training-headers plugin does.
+            session = {"X-Session-Id": f"demo-{cfg.seed}-{i}"}
             r = await client.chat.completions.create(model=model, messages=asked, temperature=SERVING_TEMPERATURE,
-                                                     max_tokens=demo.max_tokens, seed=rng.randrange(1 << 31))
+                                                     max_tokens=demo.max_tokens, seed=rng.randrange(1 << 31),
+                                                     extra_headers=session)
             reply = r.choices[0].message.content or ""
             window.append(user.satisfied(q, reply))
             # The feedback is the next state of the reply's turn; the session ends with it, so the
             # model's answer to the feedback itself (one token) is stored but never judged.
             feedback = user.feedback(q, reply, rng)
             await client.chat.completions.create(
-                model=model, max_tokens=1, temperature=SERVING_TEMPERATURE, extra_headers={"X-Session-Done": "1"},
+                model=model, max_tokens=1, temperature=SERVING_TEMPERATURE,
+                extra_headers={**session, "X-Session-Done": "1"},
                 messages=asked + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}])
             if i % demo.eval_every == 0 or i == demo.interactions:
                 await measure(i)

@@ -74,11 +74,13 @@ class Learner:
         self.sync = InProcessWeightSync(engine)
         self.trainer = None
         self._resume_step, self._resume_version = 0, 0
+        self.train_step = 0  # the last step whose weights are served and whose samples are marked trained
         self.admin_pause: Optional[str] = None  # why an operator paused training
         self.last_loss: Optional[float] = None
         self.last_step_at: Optional[float] = None
         self.last_step_skip: Optional[str] = None  # why the latest attempted step did not update
         self.stepping = False
+        self._stopping = False
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
         self._skip_mark = 0.0  # skips logged up to this time
@@ -121,6 +123,7 @@ class Learner:
             await self.sync.push(self.trainer, version)
             await asyncio.to_thread(self.checkpoints.record_version, version)
         requeued = await asyncio.to_thread(self.buffer.requeue_after_restore, self._resume_step)
+        self.train_step = self._resume_step
         if self.judge_engine is not None:
             await self.judge_engine.start()
         self.worker.start()
@@ -131,12 +134,19 @@ class Learner:
                  self.trainer.step, self.sync.version,
                  f"; {requeued} sample(s) whose update was lost are ready again" if requeued else "")
 
-    async def stop(self) -> None:
-        """Stop judging and training; a step in flight finishes first (its samples stay consumed and
-        are requeued on the next start)."""
+    async def stop(self, step_timeout_s: float = 300.0) -> None:
+        """Stop judging and training. A step in flight finishes first (weights pushed, samples marked,
+        checkpoint written); past ``step_timeout_s`` it is abandoned and its samples, still consumed,
+        are requeued on the next start."""
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), step_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("the train step in flight did not finish within %.0f s; abandoning it", step_timeout_s)
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self.worker is not None:
             await self.worker.stop()
@@ -170,12 +180,12 @@ class Learner:
     # ---------------------------------------------------------------- the loop
 
     async def _train_loop(self) -> None:
-        while True:
+        while not self._stopping:
             self._wake.clear()
             try:
                 if self.paused_reason is None:
                     ready = (await asyncio.to_thread(self.buffer.counts))["ready"]
-                    if ready >= self.cfg.train.batch_size:
+                    if ready >= self.cfg.train.batch_size and not self._stopping:
                         await self.train_once()
                         continue
             except asyncio.CancelledError:
@@ -219,6 +229,7 @@ class Learner:
         self.last_step_skip = None
         await asyncio.to_thread(self.checkpoints.after_step, self.trainer, new_version)
         skipped = await asyncio.to_thread(self._skips_since_last_step)
+        self.train_step = step
         self.metrics.log_step(step, {**result.metrics, "weight_version": new_version})
         self.metrics.log_version(new_version, {"weight_sync_ms": sync_ms, "train_step": step,
                                                "samples_trained": len(samples), "samples_skipped": len(skipped),
@@ -262,7 +273,7 @@ class Learner:
         return {
             "enabled": True, "method": self.cfg.method, "judge": self.cfg.judge.kind,
             "paused": self.paused_reason is not None, "paused_reason": self.paused_reason,
-            "train_step": self.trainer.step if self.trainer is not None else None,
+            "train_step": self.train_step,
             "weight_version": self.sync.version, "last_loss": self.last_loss, "last_step_at": self.last_step_at,
             "last_step_skipped": self.last_step_skip, "batch_size": self.cfg.train.batch_size,
             "samples": {"judged": judged, "pending": counts["pending"], "ready": counts["ready"],
