@@ -151,6 +151,20 @@ class JudgeConfig:
 
 
 @dataclass
+class OpdConfig:
+    # On-policy distillation: hint judge rules (correction phrases) | model (votes from a judge engine).
+    hint_judge: str = "rules"
+    # Votes per turn for the model hint judge; a strict majority must accept.
+    votes: int = 3
+    # Teacher scoring the sampled tokens under the hinted prompt: policy (the serving engine) | a model path.
+    teacher: str = "policy"
+    # Teacher top-k ids/logprobs stored per token for top-k distillation; 0: sampled tokens only.
+    topk: int = 0
+    # Turns hint-judged or teacher-scored at once; keep small so scoring never crowds out serving.
+    concurrency: int = 1
+
+
+@dataclass
 class WandbConfig:
     # offline (default) | online (falls back to offline without network) | disabled
     mode: str = "offline"
@@ -191,6 +205,7 @@ class ClawrlConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    opd: OpdConfig = field(default_factory=OpdConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # ``clawrl demo`` only: the simulated user and how the demo measures learning.
     demo: DemoConfig = field(default_factory=DemoConfig)
