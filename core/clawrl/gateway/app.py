@@ -190,6 +190,11 @@ class Turn:
 
     async def _merged(self):
         """(choice, chunk) pairs from all choices' engine streams, as they arrive."""
+        if len(self._streams) == 1:  # the common case needs no fan-in (saves a task hop per chunk)
+            async with contextlib.aclosing(self._streams[0]) as stream:  # closing early aborts it
+                async for chunk in stream:
+                    yield self.choices[0], chunk
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(c: Choice, stream) -> None:
@@ -217,11 +222,12 @@ class Turn:
 
     async def _generate(self, on_events) -> None:
         """Run every choice to its end, handing each engine chunk's events to ``on_events``."""
-        async for c, chunk in self._merged():
-            await on_events(c, c.absorb(chunk), chunk)
-            if c.decoder.stopped and c.engine_finish is None and not c.stop_cut:
-                c.stop_cut = True  # the text hit a stop string the engine has not matched (yet)
-                await self.gw.engine.abort(c.request_id)
+        async with contextlib.aclosing(self._merged()) as merged:  # closed at once when cancelled
+            async for c, chunk in merged:
+                await on_events(c, c.absorb(chunk), chunk)
+                if c.decoder.stopped and c.engine_finish is None and not c.stop_cut:
+                    c.stop_cut = True  # the text hit a stop string the engine has not matched (yet)
+                    await self.gw.engine.abort(c.request_id)
         for c in self.choices:
             if c.engine_finish == "abort" and not c.stop_cut:  # not ours: e.g. the engine is shutting down
                 raise EngineError("the engine aborted the request")
