@@ -12,12 +12,13 @@ preamble), an extra instruction the user never asked for 15%, a missing instruct
 hint 10%, a wrong reject 10%, an accept without a usable hint 7%, unparseable 8%; on no-hint cases:
 reject 70%, a false hint 15%, garbage 15%). The comparison therefore depends on these rates; the
 script prints them. ``--model-judge DIR`` also runs ``ModelHintJudge`` on a real model for the
-first ``--model-cases`` cases.
+first ``--model-cases`` cases, and ``--teacher-check DIR`` measures whether that model, as the teacher,
+follows the ``[Hint: ...]`` it is given (the OPD advantage of a bare vs a worked reply under three hints).
 
 Accuracy criterion: ``clawrl.judges.hint_set.hint_matches`` (the chosen hint names exactly the
 case's instructions, found by key phrases independent of the extractor's patterns).
 
-    python benchmarks/bench_hints.py [--cases 120] [--seed 0] [--repeats 30] [--model-judge DIR]
+    python benchmarks/bench_hints.py [--cases 120] [--seed 0] [--repeats 30] [--model-judge DIR] [--teacher-check DIR]
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from typing import Callable, Sequence
 from clawrl.judges.base import JudgeInput
 from clawrl.judges.hint_set import CANONICAL, HintCase, hint_cases, hint_matches
 from clawrl.judges.hints import HintVerdict, HintVote, RulesHintJudge, choose_hint, usable_hint
+from clawrl.teacher import hint_tag
 
 PARAPHRASES = {
     "one_line": ("answer in one line", "keep the reply to a single line", "reply on one line only",
@@ -167,6 +169,45 @@ async def model_judge_run(path: str, cases: Sequence[HintCase], votes: int) -> d
     return res
 
 
+async def teacher_check(path: str, n: int, seed: int) -> dict:
+    """Does the model follow the hint format? For ``n`` addition questions, the summed OPD advantage
+    (hinted teacher minus unhinted student, same model) of a bare reply ("12") and a worked one
+    ("7 + 5 = 12.") under three hints. A teacher that uses the hint favours the reply it asks for."""
+    import torch
+
+    from clawrl.config import EngineConfig
+    from clawrl.embedded.corpus import ADDITION_QUESTIONS, sample_pair
+    from clawrl.engines.loading import load_model
+    from clawrl.engines.torch_engine import TorchEngine
+    from clawrl.losses import opd_advantages
+    from clawrl.teacher import teacher_prompt_ids
+
+    loaded = load_model(path, device="cpu")
+    tok = loaded.tokenizer
+    engine = TorchEngine(loaded, EngineConfig())
+    await engine.start()
+    rng = random.Random(f"teacher-{seed}")
+    hints = ("Answer with just the answer.", "Be brief.", "Show the full sum, like 7 + 5 = 12.")
+    sums: dict = {(h, r): [] for h in hints for r in ("bare", "worked")}
+    try:
+        for _ in range(n):
+            a, b = sample_pair(rng, held_out=True)
+            messages = [{"role": "user", "content": rng.choice(ADDITION_QUESTIONS).format(a=a, b=b)}]
+            prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False)
+            turn = {"messages": messages, "history_len": 1, "tools": None, "prompt_ids": prompt}
+            for kind, reply in (("bare", f"{a + b}"), ("worked", f"{a} + {b} = {a + b}.")):
+                response = tok.encode(reply + "<|im_end|>", add_special_tokens=False)
+                student = (await engine.score(prompt, response)).logprobs
+                for h in hints:
+                    teacher = (await engine.score(teacher_prompt_ids(tok, turn, h), response)).logprobs
+                    adv = opd_advantages(torch.tensor(teacher), torch.tensor(student))
+                    sums[(h, kind)].append(float(adv.sum()))
+    finally:
+        await engine.shutdown()
+    return {k: statistics.mean(v) for k, v in sums.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=120)
@@ -174,6 +215,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--model-judge", default=None, help="HF model directory for ModelHintJudge (optional)")
     ap.add_argument("--model-cases", type=int, default=30)
+    ap.add_argument("--teacher-check", default=None, help="HF model directory: does its teacher follow the hint?")
     args = ap.parse_args()
 
     cases = hint_cases(args.cases, args.seed)
@@ -203,6 +245,12 @@ def main() -> None:
         print(f"\n3. ModelHintJudge on {args.model_judge}, {len(subset)} cases, 3 votes each")
         print("   acceptance {acceptance:.1%}  hint {hint:.1%}  end-to-end {end_to_end:.1%}  false accept "
               "{false_accept:.1%}  garbage votes {garbage_votes:.1%}".format(**res))
+
+    if args.teacher_check:
+        res = asyncio.run(teacher_check(args.teacher_check, 40, args.seed))
+        print(f"\n4. teacher check on {args.teacher_check}: mean summed OPD advantage per reply (40 held-out additions)")
+        for hint in dict.fromkeys(h for h, _ in res):
+            print(f"   {hint_tag(hint):<48} bare {res[(hint, 'bare')]:+7.3f}   worked {res[(hint, 'worked')]:+7.3f}")
 
 
 if __name__ == "__main__":

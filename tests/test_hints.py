@@ -156,3 +156,27 @@ def test_match_criterion_needs_every_instruction_and_no_extra():
     assert not hint_matches("Answer in one line.", case)  # missing an instruction
     assert not hint_matches("Answer in one line, no rhymes, and use emojis.", case)  # an extra one
     assert instructions_in("Answer in one line, be brief.", {}) == {"one_line"}  # brevity implied by one line
+
+
+def test_model_judge_on_a_random_weight_engine_rejects_as_judge_garbage(tmp_path):
+    from clawrl.config import EngineConfig
+    from clawrl.engines.loading import load_model
+    from clawrl.engines.torch_engine import TorchEngine
+    from engine_testing import make_model_dir
+
+    loaded = load_model(str(make_model_dir(tmp_path / "m", "qwen3", seed=9)), device="cpu")
+
+    async def go():
+        engine = TorchEngine(loaded, EngineConfig())
+        await engine.start()
+        try:
+            judge = ModelHintJudge(engine, votes=3, max_new_tokens=12)
+            return await judge.extract(JudgeInput(2, "What is 7+5?", "12", None,
+                                                  [{"role": "user", "content": "One line, please."}]))
+        finally:
+            await engine.shutdown()
+
+    v = asyncio.run(go())
+    # a random model never writes a Decision line: three garbage votes, kept with their raw text
+    assert not v.accepted and v.reason == "judge_garbage" and len(v.votes) == 3
+    assert all(x.accept is None and x.raw for x in v.votes) and len({x.raw for x in v.votes}) > 1
