@@ -43,7 +43,7 @@ class BareAnswerUser:
     """Wants the sum and nothing else ("12", not "7 + 5 = 12" or "The answer is 12.")."""
 
     name = "bare"
-    _WORDY = ("Hmm, no -- too wordy.", "That's not what I wanted.", "Too long. Just the answer.")
+    _WORDY = ("Hmm, no -- too wordy.", "That's not what I wanted.", "Too long.")
     _WRONG = ("No, that's wrong.", "That's not right.")
 
     def satisfied(self, q: Question, reply: str) -> bool:
@@ -60,7 +60,7 @@ class WorkedAnswerUser:
     """Wants to see the sum worked out ("7 + 5 = 12"), not just a number or a sentence."""
 
     name = "worked"
-    _BARE = ("Hmm, how did you get that?", "That's not what I wanted.")
+    _BARE = ("No, that's not it.", "That's not what I wanted.")
     _WRONG = ("No, that's wrong.", "That's not right.")
 
     def satisfied(self, q: Question, reply: str) -> bool:
