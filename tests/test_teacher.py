@@ -225,3 +225,11 @@ def test_worker_refuses_bad_settings(model):
     with pytest.raises(ValueError, match="topk"):
         TeacherWorker(None, RulesHintJudge(), CountingEngine(model.tokenizer), OpdConfig(topk=-1),
                       tokenizer=model.tokenizer)
+
+
+def test_a_second_verdict_for_a_judged_turn_is_ignored(store, model):
+    t1 = served(store, model.tokenizer, "Thanks!")
+    opd = OpdStore(store)
+    assert opd.record_hint(t1, HintVerdict(False, "", "no_hindsight", [], "rules"))
+    assert not opd.record_hint(t1, HintVerdict(True, "Be brief.", "accepted", [], "rules", 1.0))
+    assert opd.get(t1)["state"] == "rejected"

@@ -185,19 +185,25 @@ class OpdStore:
                 break
         return out
 
-    def record_hint(self, turn_id: int, verdict: HintVerdict) -> None:
+    def record_hint(self, turn_id: int, verdict: HintVerdict) -> bool:
+        """Store a verdict; False (and nothing changed) if the turn already has one -- another
+        worker got there first, and its verdict stands."""
         state = "accepted" if verdict.accepted else "rejected"
         with self.store._tx() as c:
-            c.execute("INSERT INTO opd_hints (turn_id, state, reason, hint, support, judge_kind, votes, judged_at) "
-                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                      (turn_id, state, None if verdict.accepted else verdict.reason, verdict.hint or None,
-                       verdict.support if verdict.accepted else None, verdict.kind,
-                       json.dumps([v.to_json() for v in verdict.votes], ensure_ascii=False), time.time()))
+            n = c.execute(
+                "INSERT INTO opd_hints (turn_id, state, reason, hint, support, judge_kind, votes, judged_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (turn_id) DO NOTHING",
+                (turn_id, state, None if verdict.accepted else verdict.reason, verdict.hint or None,
+                 verdict.support if verdict.accepted else None, verdict.kind,
+                 json.dumps([v.to_json() for v in verdict.votes], ensure_ascii=False), time.time())).rowcount
+        if not n:
+            return False
         if verdict.accepted:
             log.info("turn %d: hint accepted (%s, support %.2f): %s", turn_id, verdict.kind, verdict.support,
                      verdict.hint)
         else:
             log.info("turn %d: no hint (%s)", turn_id, verdict.reason)
+        return True
 
     def unscored(self, limit: int, exclude: Iterable[int] = ()) -> list[tuple[int, str]]:
         """(turn id, hint) of accepted turns not scored yet, oldest first."""
@@ -387,8 +393,8 @@ class TeacherWorker:
     async def _process(self, work) -> None:
         if isinstance(work, JudgeInput):
             verdict = await self._judge(work)
-            await asyncio.to_thread(self.opd.record_hint, work.turn_id, verdict)
-            if not verdict.accepted:
+            recorded = await asyncio.to_thread(self.opd.record_hint, work.turn_id, verdict)
+            if not recorded or not verdict.accepted:
                 self.done += 1
                 return
             turn_id, hint = work.turn_id, verdict.hint

@@ -260,10 +260,10 @@ def extract_clauses(text: str) -> list[tuple[int, str, str]]:
         consumed[start:end] = " " * (end - start)
 
     for cid, hint, pattern in _CLAUSES:
-        for m in pattern.finditer(lower):
+        m = pattern.search(lower)
+        if m:
             found.append((m.start(), cid, hint))
             take(m.start(), m.end())
-            break
     for cid, pattern, template in (("start_with", _START, "start your reply with '{}'"),
                                    ("end_with", _END, "end your reply with '{}'")):
         m = pattern.search(lower)
