@@ -187,7 +187,7 @@ def load_tiny(path: Path, name: str = "tiny"):
 
 def make_controlled_engine(loaded, engine_cfg):
     """The real TorchEngine with knobs for deterministic error paths (never for behaviour claims):
-    hold streams at a gate (overload), force long outputs and pace them (disconnect), fail."""
+    hold streams at a gate (overload), force long, slow generations (disconnect), fail."""
     from dataclasses import replace
 
     from clawrl.engines.torch_engine import TorchEngine
@@ -198,7 +198,7 @@ def make_controlled_engine(loaded, engine_cfg):
             self.released = threading.Event()
             self.released.set()
             self.force_long = False
-            self.chunk_delay = 0.0
+            self.step_delay = 0.0  # seconds added to every scheduler step, so generation is slow
             self.fail_on_open: Exception | None = None
             self.fail_mid_stream: Exception | None = None
             self.aborted: list[str] = []
@@ -218,10 +218,13 @@ def make_controlled_engine(loaded, engine_cfg):
                     yield chunk
                     if self.fail_mid_stream is not None:
                         raise self.fail_mid_stream
-                    if self.chunk_delay:
-                        await asyncio.sleep(self.chunk_delay)
             finally:
                 await inner.aclose()
+
+        def _step(self):
+            if self.step_delay:
+                time.sleep(self.step_delay)
+            super()._step()
 
         async def abort(self, request_id):
             self.aborted.append(request_id)

@@ -41,7 +41,7 @@ def server(tmp_path_factory):
 def reset_engine(server):
     e = server.engine
     e.released.set()
-    e.force_long, e.chunk_delay, e.fail_on_open, e.fail_mid_stream = False, 0.0, None, None
+    e.force_long, e.step_delay, e.fail_on_open, e.fail_mid_stream = False, 0.0, None, None
     yield
     e.released.set()
 
@@ -61,6 +61,15 @@ def wait_for(predicate, timeout=20.0):
     raise AssertionError("condition not met in time")
 
 
+def status(server) -> dict:
+    return httpx.get(server.url + "/admin/status", timeout=30).json()
+
+
+def engine_idle(server) -> bool:
+    engine = status(server)["engine"]
+    return engine["running"] == 0 and engine["waiting"] == 0
+
+
 def session_turns(server, sid):
     s = server.store.get_session(sid)
     return s["turns"] if s else []
@@ -72,9 +81,9 @@ def test_full_queue_answers_429_with_retry_after(server):
     server.engine.released.clear()  # the running request holds the only slot until released
     with cf.ThreadPoolExecutor(2) as pool:
         running = pool.submit(post, server, {"temperature": 0})
-        wait_for(lambda: server.engine._live)  # it has the slot and sits at the gate
+        wait_for(lambda: status(server)["queue"]["free_slots"] == 0)  # it has the slot, held at the gate
         queued = pool.submit(post, server, {"temperature": 0})
-        wait_for(lambda: httpx.get(server.url + "/admin/status").json()["queue"]["waiting"] == 1)
+        wait_for(lambda: status(server)["queue"]["waiting"] == 1)
         r = post(server, {"temperature": 0})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
@@ -85,7 +94,7 @@ def test_full_queue_answers_429_with_retry_after(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
     with cf.ThreadPoolExecutor(2) as pool:
         futs = [pool.submit(post, server, {}) for _ in range(2)]
-        wait_for(lambda: httpx.get(server.url + "/admin/status").json()["queue"]["waiting"] == 1)
+        wait_for(lambda: status(server)["queue"]["waiting"] == 1)
         with pytest.raises(openai.RateLimitError):
             client.chat.completions.create(model="tiny", messages=HI)
         server.engine.released.set()
@@ -127,7 +136,7 @@ def test_engine_failure_mid_request_is_503_and_an_error_turn(server):
 
 
 def test_client_disconnect_mid_stream_aborts_and_stores_an_aborted_turn(server):
-    server.engine.force_long, server.engine.chunk_delay = True, 0.05
+    server.engine.force_long, server.engine.step_delay = True, 0.02  # ~3 s for 150 tokens
     before = len(server.engine.aborted)
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
                       headers={"X-Session-Id": "gone-away"},
@@ -139,7 +148,7 @@ def test_client_disconnect_mid_stream_aborts_and_stores_an_aborted_turn(server):
     assert turn["status"] == "aborted" and turn["trainable"] is False
     assert 0 < turn["response_tokens"] < 150
     assert len(server.engine.aborted) > before
-    assert wait_for(lambda: not server.engine._live)  # the engine request is gone
+    assert wait_for(lambda: engine_idle(server))  # the engine request is gone
     assert server.store.get_turn(turn["turn_id"])["untrainable_reason"] == "aborted"
 
 
@@ -150,7 +159,7 @@ def test_client_disconnect_during_a_non_streaming_request_is_stored_aborted(serv
                    json={"model": "tiny", "messages": HI, "max_tokens": 150})
     turn = wait_for(lambda: session_turns(server, "gone-nonstream"))[0]
     assert turn["status"] == "aborted" and turn["response_tokens"] < 150
-    assert wait_for(lambda: not server.engine._live)
+    assert wait_for(lambda: engine_idle(server))
 
 
 def test_truncate_history_drops_old_turns_to_fit(server):
