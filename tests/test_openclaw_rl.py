@@ -1,0 +1,82 @@
+"""``openclaw-rl/run.sh``: the Binary RL recipe as a user launches it -- its config.yaml layered under
+command-line overrides, an OpenAI client's chats judged by the rules judge and trained on."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway_support import build_tiny_model, free_port, model_cache_dir
+
+RUN_SH = Path(__file__).resolve().parent.parent / "openclaw-rl" / "run.sh"
+
+
+def test_unknown_override_through_run_sh_is_refused_in_one_line(tmp_path):
+    proc = subprocess.run(["bash", str(RUN_SH), "server.prot=1", f"run_dir={tmp_path}"], capture_output=True,
+                          text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "server.port" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_run_sh_serves_judges_and_trains_with_an_openai_client(tmp_path):
+    import openai
+
+    model = build_tiny_model(model_cache_dir())
+    port = free_port()
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(RUN_SH), f"server.port={port}", f"run_dir={tmp_path / 'run'}", f"model.path={model}",
+             "model.name=tiny", "train.batch_size=2", "logging.wandb.mode=disabled", "engine.threads=1"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MASTER_ADDR": "10.0.0.7"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, log.read_text()
+            time.sleep(0.2)
+        # run.sh execs the server: same process, launch environment added, multi-node variables untouched
+        env = dict(v.split("=", 1) for v in Path(f"/proc/{proc.pid}/environ").read_text().split("\0") if "=" in v)
+        assert env["MASTER_ADDR"] == "10.0.0.7" and env["OMP_NUM_THREADS"] and env["CLAWRL_HOME"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        for question, feedback in (("Hi", "Thanks!"), ("Tell me a story about a cat.", "No, that's wrong.")):
+            session = {"X-Session-Id": uuid.uuid4().hex}
+            asked = [{"role": "user", "content": question}]
+            reply = client.chat.completions.create(model="tiny", messages=asked, max_tokens=12,
+                                                   extra_headers=session).choices[0].message.content
+            client.chat.completions.create(
+                model="tiny", max_tokens=1, extra_headers={**session, "X-Session-Done": "1"},
+                messages=asked + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}])
+        deadline = time.time() + 120
+        while True:
+            status = httpx.get(url + "/admin/status", timeout=10).json()
+            if status["training"]["train_step"] == 1:
+                break
+            assert time.time() < deadline, status
+            time.sleep(0.2)
+        t = status["training"]
+        assert t["method"] == "rl" and t["judge"] == "rules"  # from config.yaml
+        assert t["batch_size"] == 2  # the command line wins over config.yaml
+        assert status["weight_version"] == 1 and t["samples"]["trained"] == 2
+        metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+        assert '"kind": "train_step"' in metrics
+        proc.send_signal(signal.SIGTERM)  # run.sh execs clawrl: the signal reaches the server itself
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert "trained turns" in log.read_text()
