@@ -171,10 +171,14 @@ class ServerThread:
 
 
 def model_cache_dir() -> Path:
-    """Where the tiny test model is cached across test runs (rebuilt if the helper changes)."""
+    """Where the tiny test model is cached across test runs (rebuilt when its recipe changes)."""
     import hashlib
 
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    import inspect
+
+    recipe = "".join([CHAT_TEMPLATE, json.dumps(_CORPUS), inspect.getsource(build_tokenizer),
+                      inspect.getsource(build_tiny_model)])
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     root = Path(os.environ.get("CLAWRL_TEST_CACHE", Path.home() / ".cache" / "clawrl-tests"))
     return root / f"gateway-tiny-{digest}"
 
