@@ -137,3 +137,17 @@ def test_turn_survives_kill_9_and_the_next_request_links_across_the_restart(tmp_
         if second.proc.poll() is None:
             second.proc.kill()
             second.proc.wait(30)
+
+
+def test_provider_snippet_never_contains_the_key(monkeypatch):
+    from clawrl.orchestration.serve import API_KEY_ENV, provider_snippet
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    snip = provider_snippet("http://127.0.0.1:9/v1", "m", 4096, 512, has_key=True)
+    p = snip["models"]["providers"]["clawrl"]
+    assert p["apiKey"] == "<your api key>" and p["baseUrl"] == "http://127.0.0.1:9/v1"
+    assert p["models"] == [{"id": "m", "name": "m", "reasoning": False, "input": ["text"], "contextWindow": 4096,
+                            "maxTokens": 512}]
+    monkeypatch.setenv(API_KEY_ENV, SECRET)
+    p = provider_snippet("u", "m", 1, 1, has_key=True)["models"]["providers"]["clawrl"]
+    assert p["apiKey"] == "${CLAWRL_API_KEY}" and SECRET not in json.dumps(p)
