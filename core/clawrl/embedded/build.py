@@ -30,8 +30,8 @@ MODEL_NAME = "clawrl-tiny"
 DEFAULT_STEPS = 900  # calibrated: the whole build takes about 3.5 minutes on 2 idle cores
 SHORT_ROWS, SHORT_LEN = 16, 256
 LONG_LEN = 4096
-LONG_EVERY = 8
-LR, WARMUP, MIN_LR_RATIO = 3e-3, 30, 0.1
+LONG_EVERY = 16
+LR, WARMUP, MIN_LR_RATIO = 2e-3, 30, 0.1
 ROPE_THETA = 10_000.0
 TOKENIZER_CHATS = 6000  # short chats the tokenizer trains on, beside the English text
 MAX_POSITIONS = 32768
@@ -78,6 +78,9 @@ def build_model(seed: int = 0, steps: int | None = None, out: str | Path | None 
     with _build_lock(target):
         if (target / "model.safetensors").exists() and not force:
             return target
+        for stale in target.parent.glob(f".{target.name}.*"):  # left by a build killed with SIGKILL
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             _build_into(tmp, seed, steps)
@@ -135,12 +138,13 @@ def build_tokenizer(seed: int = 0):
 
 
 def _token_stream(tok, chats):
-    """Endless (ids, trained) pairs for the chats, each chat's tokens in order."""
+    """(ids, trained) tensors for each chat of the batches in ``chats``. Pieces are encoded one by
+    one, as the engine will see them: a prompt ending in ``<|im_start|>assistant\n``, then replies."""
     import torch
 
-    for chat_batch in chats:
-        from clawrl.embedded.corpus import chat_pieces
+    from clawrl.embedded.corpus import chat_pieces
 
+    for chat_batch in chats:
         pieces = [chat_pieces(c) for c in chat_batch]
         flat = [t for p in pieces for t, _ in p]
         encs = iter(tok.encode_batch(flat, add_special_tokens=False))

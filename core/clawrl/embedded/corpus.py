@@ -62,9 +62,10 @@ ADDITION_QUESTIONS = (
     "{a} plus {b}?",
     "Quick question: {a} + {b}?",
 )
-# Restating the operands first (most answers) lets the model look at them right before the sum.
-_ADDITION_ANSWERS = ("{s}", "{s}", "{a} + {b} = {s}", "{a} + {b} = {s}", "{a} + {b} = {s}.", "{a} + {b} = {s}.",
-                     "The answer is {s}.", "{a} plus {b} is {s}.")
+# Most answers restate the operands, so the sum's digits sit at fixed distances from the digits they
+# depend on; a 2-layer model learns to add far sooner that way than from the varied question text.
+_ADDITION_ANSWERS = ("{s}", "{s}", "{a} + {b} = {s}", "{a} + {b} = {s}", "{a} + {b} = {s}", "{a} + {b} = {s}.",
+                     "{a} + {b} = {s}.", "{a} plus {b} is {s}.", "The sum of {a} and {b} is {s}.")
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
@@ -292,15 +293,15 @@ def _exchange(rng: random.Random, tools: list[str]) -> list[dict]:
     if tools and rng.random() < 0.4:
         return _tool_use(rng, rng.choice(tools))
     r = rng.random()
-    if r < 0.55:
+    if r < 0.65:
         q, a, _ = _addition(rng)
         return [_user(q), _assistant(a)]
-    if r < 0.67:
+    if r < 0.75:
         q, a, _ = _fact(rng)
         return [_user(q), _assistant(a)]
-    if r < 0.77:
+    if r < 0.83:
         return _small_talk(rng)
-    if r < 0.9:
+    if r < 0.93:
         return _hinted(rng)
     return _corrected(rng)
 
@@ -318,7 +319,7 @@ def _chat(rng: random.Random, system: str | None, turns: int) -> Chat:
 
 def short_chat(rng: random.Random) -> Chat:
     """A chat of 1-4 exchanges, with a short system prompt or none."""
-    system = rng.choice(_SYSTEM_PROMPTS) if rng.random() < 0.6 else None
+    system = rng.choice(_SYSTEM_PROMPTS) if rng.random() < 0.4 else None
     return _chat(rng, system, rng.choice((1, 1, 1, 2, 2, 3, 4)))
 
 
