@@ -239,6 +239,12 @@ class Learner:
                  ", ".join(f"turn {t} ({why})" for t, why in skipped) or "none")
         return True
 
+    def notify(self) -> None:
+        """A chat request finished: a turn may have closed (its next state arrived), so judge now
+        instead of at the next poll. Thread-safe."""
+        if self.worker is not None:
+            self.worker.notify()
+
     def _skips_since_last_step(self) -> list[tuple[int, str]]:
         """(turn, reason) of samples skipped since the previous step's log line."""
         mark, self._skip_mark = self._skip_mark, time.time()
@@ -290,6 +296,20 @@ def _turns(samples: list[Sample]) -> str:
             + " (rewards " + ", ".join(f"{k} x{v}" for k, v in sorted(rewards.items())) + ")")
 
 
+class _NotifyAfterChat:
+    """ASGI middleware: after each chat request, wake the judge (a next state may have arrived)."""
+
+    def __init__(self, app, learner: Learner):
+        self.app, self.learner = app, learner
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if scope["type"] == "http" and scope["path"].startswith("/v1/chat/completions"):
+                self.learner.notify()
+
+
 def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: TurnStore) -> Optional[Learner]:
     """Run a learner beside the gateway ``app``: started after the engine in the app's lifespan,
     stopped before it, with the admin routes for pause/resume and a training section in
@@ -315,6 +335,7 @@ def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: Turn
         gw.status_sections.append(lambda: {"training": {"enabled": False, "method": cfg.method}})
     else:
         gw.status_sections.append(lambda: {"training": learner.status()})
+        app.add_middleware(_NotifyAfterChat, learner=learner)
         inner = app.router.lifespan_context
 
         @contextlib.asynccontextmanager
