@@ -184,7 +184,7 @@ class Learner:
             self._wake.clear()
             try:
                 if self.paused_reason is None:
-                    ready = (await asyncio.to_thread(self.buffer.counts))["ready"]
+                    ready = await asyncio.to_thread(self._ready_count)
                     if ready >= self.cfg.train.batch_size and not self._stopping:
                         await self.train_once()
                         continue
@@ -238,6 +238,10 @@ class Learner:
                  step, new_version, self.last_loss or 0.0, _turns(samples),
                  ", ".join(f"turn {t} ({why})" for t, why in skipped) or "none")
         return True
+
+    def _ready_count(self) -> int:
+        # one indexed count per poll; buffer.counts() also aggregates every vote, too much every 0.25 s
+        return self.store._conn().execute("SELECT COUNT(*) FROM samples WHERE state = 'ready'").fetchone()[0]
 
     def notify(self) -> None:
         """A chat request finished: a turn may have closed (its next state arrived), so judge now
