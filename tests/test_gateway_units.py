@@ -269,3 +269,35 @@ def test_real_openclaw_requests_validate(name):
     req = parse_chat_request(body)
     assert req.stream and req.include_usage and req.max_tokens == 512 and len(req.tools) == 12
     assert all(isinstance(m["content"], str) for m in req.messages if m["role"] != "assistant")
+
+
+def test_admission_queues_fifo_refuses_past_the_queue_and_survives_cancelled_waiters():
+    import asyncio
+
+    from clawrl.gateway.app import Admission
+
+    async def scenario():
+        adm = Admission(capacity=2, max_queue=2)
+        await adm.acquire(2)  # both slots busy
+        order = []
+
+        async def waiter(name, n):
+            await adm.acquire(n)
+            order.append(name)
+
+        a = asyncio.create_task(waiter("a", 1))
+        b = asyncio.create_task(waiter("b", 1))
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError) as e:  # two already waiting: the third is refused
+            await adm.acquire(1)
+        assert e.value.status == 429 and e.value.headers["Retry-After"] == "1"
+        a.cancel()  # a waiter that gives up leaves the queue
+        await asyncio.sleep(0)
+        assert adm.waiting == 1
+        adm.release(2)
+        await b
+        assert order == ["b"] and adm.free == 1
+        adm.release(1)
+        assert adm.free == 2
+
+    asyncio.run(scenario())
