@@ -82,6 +82,7 @@ def build_model(seed: int = 0, steps: int | None = None, out: str | Path | None 
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model is for every local user
         try:
             _build_into(tmp, seed, steps)
             if target.exists():

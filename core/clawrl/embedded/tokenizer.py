@@ -139,7 +139,8 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None
         clean_up_tokenization_spaces=False,
     )
     hf.chat_template = CHAT_TEMPLATE
-    hf.save_pretrained(str(out_dir))
+    # In tokenizer_config.json rather than chat_template.jinja, where every serving stack looks.
+    hf.save_pretrained(str(out_dir), save_jinja_files=False)
 
 
 def render_chat(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> str:
