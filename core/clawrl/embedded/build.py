@@ -2,14 +2,20 @@
 
 clawrl must work offline with nothing to download, so it trains its own small chat model
 (``clawrl model build``; ``default_model_path()`` builds it on first use). The shape was chosen by
-measurement on a 2-core CPU: under a few minutes of training a 0.8M-parameter Qwen3 (hidden 128,
-2 layers) beats a 4M one because it sees more tokens. Training runs a fixed number of steps, not a
-fixed time, so a seed always gives byte-identical weights.
+measurement on a 2-core CPU: under a few minutes of training a tiny Qwen3 (hidden 128, 2 layers,
+0.4M parameters beside the 8192x128 tied embedding) beats a 4M one because it sees more tokens.
+Training runs a fixed number of steps, not a fixed time, so a seed always gives byte-identical
+weights (with the same thread count and library versions).
 
 Most steps are 16 packed rows of 256 tokens of short chats; every ``LONG_EVERY``-th step is one
 4096-token row that starts with a long system prompt, so the model learns to answer after the
-kind of prefix a real agent client sends. Loss is on assistant tokens only, and only those
-positions go through the output layer, which with an 8k vocabulary is most of the compute.
+kind of prefix a real agent client sends (more long steps cost addition accuracy for the same
+time). Loss is on assistant tokens only, and only those positions go through the output layer,
+which with an 8k vocabulary would otherwise be most of the compute.
+
+Measured (seed 0, 900 steps): additions of held-out pairs 83-95% (three sets of 100), 66% after
+a 2.4k-token system prompt; the held-out accuracy rises steeply between 600 and 900 steps (7% at
+600), and lr 3e-3 stalled at 30% where 2e-3 reached 85%.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 MODEL_NAME = "clawrl-tiny"
-DEFAULT_STEPS = 900  # calibrated: the whole build takes about 3.5 minutes on 2 idle cores
+DEFAULT_STEPS = 900  # calibrated: about 4 minutes for the whole build on 2 idle cores (0.23 s a step)
 SHORT_ROWS, SHORT_LEN = 16, 256
 LONG_LEN = 4096
 LONG_EVERY = 16
