@@ -67,6 +67,13 @@ def test_failed_build_leaves_no_model_behind(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 
+def test_build_never_replaces_a_directory_that_is_not_a_model(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert clawrl_main(["model", "build", "--steps", "3", "--force", "--out", str(tmp_path)]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_build_cli_refuses_nonpositive_steps(capsys):
     assert clawrl_main(["model", "build", "--steps", "0"]) == 2
     assert "--steps" in capsys.readouterr().err

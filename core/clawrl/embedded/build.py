@@ -81,6 +81,9 @@ def build_model(seed: int = 0, steps: int | None = None, out: str | Path | None 
     if steps < 1:
         raise ValueError("steps must be at least 1")
     target = Path(out) if out is not None else _cache_dir(seed, steps)
+    if target.exists() and not (target / "model.safetensors").exists() and (target.is_file() or any(target.iterdir())):
+        # --force replaces a model directory; it must never delete a directory of someone else's files.
+        raise FileExistsError(f"{target} exists and is not a model directory; choose a new or empty one")
     with _build_lock(target):
         if (target / "model.safetensors").exists() and not force:
             return target
@@ -268,7 +271,10 @@ def build_cli(args) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise CliError("--steps must be at least 1")
-    path = build_model(seed=args.seed, steps=args.steps, out=args.out, force=args.force)
+    try:
+        path = build_model(seed=args.seed, steps=args.steps, out=args.out, force=args.force)
+    except FileExistsError as e:
+        raise CliError(str(e)) from None
     info = json.loads((path / "build_info.json").read_text())
     print(f"{path}  (seed {info['seed']}, {info['steps']} steps, addition accuracy {info['addition_accuracy']:.0%})")
     return 0
