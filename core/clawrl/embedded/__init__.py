@@ -1,0 +1,1 @@
+"""The embedded default model: tokenizer and chat template, synthetic corpus, build, evaluation."""
