@@ -5,9 +5,10 @@
 2. Prefill of an OpenClaw-sized prompt (the real captured request, ~40 KB system prompt plus 12
    tools) cold vs a prefix-cache hit: the same system prompt with a new user message.
 
-Prints ratios; asserts nothing about timings (the dev box is shared and noisy).
+Each figure is the median of ``--repeat`` runs, engine and HF interleaved, because the dev box is
+shared and noisy. Prints ratios; asserts nothing about timings.
 
-    python benchmarks/bench_engine.py [--model DIR] [--threads N] [--new-tokens 64]
+    python benchmarks/bench_engine.py [--model DIR] [--threads N] [--new-tokens 64] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -80,6 +82,14 @@ def openclaw_prompts(tok) -> tuple[list[int], list[int], str]:
     return first, nxt, source
 
 
+def hf_prefill(model, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt], device=model.device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids, logits_to_keep=1)
+    return time.perf_counter() - t0
+
+
 async def prefill(eng: TorchEngine, prompt: list[int]) -> tuple[float, int]:
     t0 = time.perf_counter()
     r = await eng.generate(prompt, SamplingParams(max_new_tokens=1, temperature=0.0))
@@ -101,20 +111,30 @@ async def main_async(args) -> None:
         for n in args.concurrency:
             prompts = decode_prompts(tok, n)
             await engine_decode(eng, prompts[:1], 4)  # warm-up
-            e = await engine_decode(eng, prompts, args.new_tokens)
-            h = hf_decode(lm.model, tok, prompts, args.new_tokens)
+            es, hs = [], []
+            for _ in range(args.repeat):
+                es.append(await engine_decode(eng, prompts, args.new_tokens))
+                hs.append(hf_decode(lm.model, tok, prompts, args.new_tokens))
+            e, h = statistics.median(es), statistics.median(hs)
             print(f"{n:>10} {e:>10.1f} {h:>12.1f} {e / h:>6.2f}x")
 
         first, nxt, source = openclaw_prompts(tok)
         common = next((i for i, (a, b) in enumerate(zip(first, nxt)) if a != b), min(len(first), len(nxt)))
         print(f"\nprefill of the OpenClaw prompt ({source}): {len(nxt)} tokens, {common} shared with the previous turn")
-        await eng.flush_cache()
-        cold, cached_cold = await prefill(eng, nxt)
-        await eng.flush_cache()
-        await prefill(eng, first)
-        hit, cached_hit = await prefill(eng, nxt)
+        colds, hits = [], []
+        for _ in range(args.repeat):
+            await eng.flush_cache()
+            cold, cached_cold = await prefill(eng, nxt)
+            await eng.flush_cache()
+            await prefill(eng, first)
+            hit, cached_hit = await prefill(eng, nxt)
+            colds.append(cold)
+            hits.append(hit)
+        cold, hit = statistics.median(colds), statistics.median(hits)
+        hf = statistics.median(hf_prefill(lm.model, nxt) for _ in range(args.repeat))
         print(f"cold {cold * 1000:.0f} ms (cached {cached_cold}); prefix-cache hit {hit * 1000:.0f} ms "
               f"(cached {cached_hit}); hit/cold = {hit / cold:.1%} (target <= 20%)")
+        print(f"HF forward of the whole prompt in one call: {hf * 1000:.0f} ms (engine cold / HF = {cold / hf:.2f}x)")
     finally:
         await eng.shutdown()
 
@@ -125,6 +145,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is printed")
     asyncio.run(main_async(ap.parse_args()))
 
 

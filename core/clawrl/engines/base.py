@@ -52,6 +52,11 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives to return per generated token
     ignore_eos: bool = False
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the returned logprobs come from (1 when greedy)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
