@@ -97,6 +97,15 @@ def test_stored_turn_holds_the_engines_exact_tokens(server, client):
     assert turn["status"] == "complete" and turn["finish_reason"] == "stop"
 
 
+def test_stored_turn_records_the_temperature_its_logprobs_were_taken_at(server, client):
+    """The trainer recomputes logprobs at this temperature; greedy turns' logprobs are at 1."""
+    for sent, stored in ((0.7, 0.7), (0, 1.0)):
+        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=HI, temperature=sent,
+                                                               max_tokens=4)
+        turn = server.store.get_turn(int(raw.headers["x-turn-ids"]))
+        assert turn["temperature"] == pytest.approx(stored)
+
+
 def test_n_choices_each_get_an_index_and_a_stored_turn(server, client):
     raw = client.chat.completions.with_raw_response.create(model="tiny", messages=HI, n=3, temperature=1.0,
                                                            seed=7, max_tokens=8)

@@ -409,14 +409,14 @@ class RolloutBuffer:
                 rows = c.execute(
                     "SELECT s.sample_id, s.turn_id, s.group_id, s.reward, s.advantage, s.judge_kind, t.turn_type, "
                     "t.trainable, t.untrainable_reason, t.close_reason, t.prompt_ids, t.response_ids, t.logprobs, "
-                    "t.weight_versions FROM samples s JOIN turns t ON t.turn_id = s.turn_id "
+                    "t.weight_versions, t.temperature FROM samples s JOIN turns t ON t.turn_id = s.turn_id "
                     "WHERE s.state = 'ready' AND s.sample_id > ? ORDER BY s.sample_id LIMIT ?",
                     (last, n - len(out)),
                 ).fetchall()
                 if not rows:
                     break
                 for (sid, turn_id, group_id, reward, adv, kind, turn_type, trainable, reason, close_reason,
-                     p_blob, r_blob, lp_blob, v_blob) in rows:
+                     p_blob, r_blob, lp_blob, v_blob, temperature) in rows:
                     last = sid
                     skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
                     versions = unpack(v_blob, "q") or []
@@ -434,7 +434,7 @@ class RolloutBuffer:
                         sample_id=sid, turn_id=turn_id, group_id=group_id, prompt_ids=unpack(p_blob, "i"),
                         response_ids=unpack(r_blob, "i"), rollout_logprobs=unpack(lp_blob, "d"),
                         weight_versions=versions, reward=float(reward), advantage=float(adv),
-                        extra={"weight_lag": lag, "judge_kind": kind},
+                        extra={"weight_lag": lag, "judge_kind": kind, "temperature": temperature},
                     ))
         for sid, turn_id, why in skipped:
             log.info("sample %d (turn %d) skipped at take time: %s", sid, turn_id, why)

@@ -405,6 +405,7 @@ class SessionLinker:
         tool_parse_error: Optional[str] = None,
         finish_reason: Optional[str] = None,
         status: str = "complete",
+        temperature: float = 1.0,
     ) -> int:
         """Durably store the served turn and return its id; it is committed (fsynced) on return.
 
@@ -412,6 +413,7 @@ class SessionLinker:
         ``error``. ``tool_parse_error``: why a tool-call block in the output was not a valid call
         (several reasons joined by newlines). With ``n`` > 1 choices, call once per choice with the
         same plan: each becomes a turn, and the one the client keeps in its history gets the next state.
+        ``temperature``: the temperature the logprobs were taken at (``SamplingParams.logprob_temperature``).
         """
         reply = normalize_message({"role": "assistant", "content": response_text, "tool_calls": tool_calls})
         reply_key = _extend(plan.request_key, reply) if status == "complete" else None
@@ -423,6 +425,7 @@ class SessionLinker:
             logprobs=logprobs, weight_versions=weight_versions, response_text=response_text or "",
             tool_calls=tool_calls or None, tool_parse_error=tool_parse_error, finish_reason=finish_reason,
             status=status, request_key=plan.request_key, reply_key=reply_key, created_at=plan.created_at,
+            temperature=temperature,
             session_done=plan.done,
         ))
 

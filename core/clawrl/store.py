@@ -136,7 +136,10 @@ CREATE TABLE corrections (
 );
 """
 # Index i upgrades a store at schema version i to version i + 1.
-_MIGRATIONS = [_SCHEMA_V1]
+# v2: the temperature the turn's logprobs were taken at, so the trainer recomputes them alike
+_SCHEMA_V2 = "ALTER TABLE turns ADD COLUMN temperature REAL NOT NULL DEFAULT 1.0"
+
+_MIGRATIONS = [_SCHEMA_V1, _SCHEMA_V2]
 
 
 # --- packed token arrays -------------------------------------------------------------------------
@@ -213,6 +216,7 @@ class TurnRecord:
     reply_key: Optional[str]
     created_at: float
     completed_at: float = field(default_factory=time.time)
+    temperature: float = 1.0  # the logprobs' temperature (1 for greedy turns)
     session_done: bool = False  # X-Session-Done: close this turn and the session's other open turns
 
 
@@ -431,8 +435,8 @@ class TurnStore:
                 "turn_type, type_rule, status, trainable, untrainable_reason, messages, history_len, tools, "
                 "prompt_ids, response_ids, logprobs, weight_versions, prompt_tokens, response_tokens, "
                 "response_text, tool_calls, tool_parse_error, finish_reason, close_reason, created_at, "
-                "completed_at, next_state_at, request_key, reply_key) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "completed_at, next_state_at, request_key, reply_key, temperature) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     rec.session_id, rec.branch_id, rec.parent_turn_id, rec.turn_index, rec.caller_hash,
                     rec.link_rule, rec.turn_type, rec.type_rule, rec.status, trainable, reason,
@@ -440,7 +444,7 @@ class TurnStore:
                     len(rec.prompt_ids), n, response_text,
                     None if tool_calls is None else _dumps(tool_calls), parse_error, rec.finish_reason,
                     close_reason, rec.created_at, rec.completed_at, closed_at, rec.request_key,
-                    rec.reply_key if rec.status == "complete" else None,
+                    rec.reply_key if rec.status == "complete" else None, rec.temperature,
                 ),
             )
             turn_id = cur.lastrowid
@@ -544,7 +548,7 @@ class TurnStore:
     def _full_turns(self, where: str, params: tuple) -> Iterator[dict]:
         columns = self._SUMMARY_COLUMNS + (
             "caller_hash", "messages", "history_len", "tools", "prompt_ids", "response_ids", "logprobs",
-            "weight_versions",
+            "weight_versions", "temperature",
         )
         for d in self._turn_dicts(columns, where, params):
             d["prompt_ids"] = unpack(d["prompt_ids"], "i")

@@ -268,6 +268,7 @@ class Turn:
                 tool_calls=[t.to_openai() for t in c.decoder.tools.calls] or None,
                 tool_parse_error=c.tool_parse_error(),
                 finish_reason=c.finish_reason if status == "complete" else status, status=status,
+                temperature=self.params.logprob_temperature,
             ))
 
     def _logprobs(self, c: Choice, start: int, end: int) -> list[dict]:
