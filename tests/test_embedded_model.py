@@ -2,6 +2,7 @@
 which adds two numbers it never saw added, with or without a long system prompt in front."""
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,18 @@ def test_default_model_calls_the_tool_a_request_needs(tiny_model_dir):
         body = reply.split("<tool_call>\n", 1)[1].split("\n</tool_call>", 1)[0]
         call = json.loads(body)
         assert call["name"] == tool and isinstance(call["arguments"], dict), reply
+
+
+def test_a_changed_recipe_gets_a_new_cache_directory(tmp_path, monkeypatch):
+    """A model built by older corpus or training code is never served as the current default."""
+    import shutil
+
+    from clawrl.embedded import build
+
+    pkg = tmp_path / "embedded"
+    shutil.copytree(Path(build.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(build, "__file__", str(pkg / "build.py"))
+    before = build.recipe_hash()
+    assert build._cache_dir(0, build.DEFAULT_STEPS).name.endswith(before)
+    (pkg / "corpus.py").write_text((pkg / "corpus.py").read_text() + "\n# a recipe change\n")
+    assert build.recipe_hash() != before

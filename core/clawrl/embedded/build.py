@@ -20,6 +20,7 @@ a 2.4k-token system prompt; the held-out accuracy rises steeply between 600 and 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -43,10 +44,23 @@ TOKENIZER_CHATS = 6000  # short chats the tokenizer trains on, beside the Englis
 MAX_POSITIONS = 32768
 
 
+def recipe_hash() -> str:
+    """Short hash of everything the build depends on: this package's code (corpus, tokenizer,
+    training recipe) and the Python minor version (the English text comes from its stdlib).
+
+    It is part of the cache directory's name, so changing the recipe builds a new model instead of
+    silently serving one made by older code.
+    """
+    h = hashlib.sha256(f"{sys.version_info.major}.{sys.version_info.minor}".encode())
+    for src in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def _cache_dir(seed: int, steps: int) -> Path:
     from clawrl.paths import data_dir
 
-    name = f"{MODEL_NAME}-seed{seed}" + ("" if steps == DEFAULT_STEPS else f"-steps{steps}")
+    name = f"{MODEL_NAME}-seed{seed}" + ("" if steps == DEFAULT_STEPS else f"-steps{steps}") + f"-{recipe_hash()}"
     return data_dir() / "models" / name
 
 
