@@ -60,15 +60,24 @@ def _env(home: str) -> dict:
 def write_provider_config(state: Path, base_url: str, api_key: str, model: str, context_window: int = 32768,
                           max_tokens: int = 512) -> None:
     """Point the isolated OpenClaw home at an OpenAI-compatible endpoint as provider ``clawrl``."""
-    cfg_path = state / ".openclaw" / "openclaw.json"
-    cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    cfg.setdefault("models", {}).setdefault("providers", {})["clawrl"] = {
+    paste_provider(state, {"models": {"providers": {"clawrl": {
         "baseUrl": base_url, "apiKey": api_key, "api": "openai-completions",
         "models": [{"id": model, "name": model, "reasoning": False, "input": ["text"],
                     "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
-                    "contextWindow": context_window, "maxTokens": max_tokens}]}
-    cfg.setdefault("agents", {}).setdefault("defaults", {})["model"] = {"primary": f"clawrl/{model}"}
+                    "contextWindow": context_window, "maxTokens": max_tokens}]}}}})
+
+
+def paste_provider(state: Path, snippet: dict) -> None:
+    """Merge a provider snippet (the JSON ``clawrl serve`` prints) into the isolated home's
+    ``openclaw.json``, as a user pastes it, and make its first model the agents' default."""
+    cfg_path = state / ".openclaw" / "openclaw.json"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    providers = snippet["models"]["providers"]
+    cfg.setdefault("models", {}).setdefault("providers", {}).update(providers)
+    provider_id, provider = next(iter(providers.items()))
+    primary = f"{provider_id}/{provider['models'][0]['id']}"
+    cfg.setdefault("agents", {}).setdefault("defaults", {})["model"] = {"primary": primary}
     cfg_path.write_text(json.dumps(cfg, indent=1))
 
 
