@@ -81,7 +81,7 @@ class TorchEngine(Engine):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.cfg = engine_cfg
+        self.engine_cfg = engine_cfg
         self.max_context = engine_cfg.max_context or loaded.max_context
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.eos_ids = frozenset(loaded.eos_token_ids)
@@ -224,8 +224,8 @@ class TorchEngine(Engine):
             name=lm.name, path=lm.path, architecture=lm.architecture, vocab_size=self.vocab_size,
             max_context=self.max_context, eos_token_ids=sorted(self.eos_ids), weight_version=self.weight_version,
             device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."),
-            extra={"ragged": self.runner.ragged, "max_batch_size": self.cfg.max_batch_size,
-                   "prefill_chunk_tokens": self.cfg.prefill_chunk_tokens},
+            extra={"ragged": self.runner.ragged, "max_batch_size": self.engine_cfg.max_batch_size,
+                   "prefill_chunk_tokens": self.engine_cfg.prefill_chunk_tokens},
         )
 
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
@@ -327,7 +327,7 @@ class TorchEngine(Engine):
         log.info("weights updated to version %d (%d tensors)", version, len(state))
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.cfg.max_batch_size:
+        while self._waiting and len(self._running) < self.engine_cfg.max_batch_size:
             req = self._waiting.popleft()
             try:
                 self._prepare(req)
@@ -385,7 +385,7 @@ class TorchEngine(Engine):
             if not req.prefilling:
                 segments.append(Segment(req.kv, [req.out_ids[-1]], [0]))
                 owners.append(req)
-        budget = self.cfg.prefill_chunk_tokens
+        budget = self.engine_cfg.prefill_chunk_tokens
         for req in candidates:
             if budget <= 0 or (segments and not self.runner.ragged):
                 break
