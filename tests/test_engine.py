@@ -450,3 +450,24 @@ def test_prefix_hit_on_kv_written_during_batched_decoding(loaded):
     assert cold.cached_prompt_tokens == 0
     assert hit.token_ids == cold.token_ids
     assert hit.logprobs == pytest.approx(cold.logprobs, abs=1e-4)
+
+
+def test_event_loop_stays_responsive_during_a_long_prefill(loaded):
+    long_prompt = prompts(1, vocab(loaded), seed=24, lo=4000, hi=4001)[0]
+
+    async def go():
+        async with running(loaded, prefill_chunk_tokens=4096) as eng:  # the whole prompt in one step
+            task = asyncio.create_task(eng.generate(long_prompt, SamplingParams(max_new_tokens=1)))
+            lags, loop = [], asyncio.get_running_loop()
+            t0 = loop.time()
+            while not task.done():
+                before = loop.time()
+                await asyncio.sleep(0.005)
+                lags.append(loop.time() - before - 0.005)
+                await eng.health()
+            return loop.time() - t0, max(lags), await task
+
+    took, worst_lag, res = run(go())
+    print(f"prefill of 4000 tokens took {took:.2f} s; worst event-loop lag {worst_lag * 1000:.0f} ms")
+    assert len(res.token_ids) == 1
+    assert worst_lag < 0.25 and worst_lag < took
