@@ -471,3 +471,31 @@ def test_event_loop_stays_responsive_during_a_long_prefill(loaded):
     print(f"prefill of 4000 tokens took {took:.2f} s; worst event-loop lag {worst_lag * 1000:.0f} ms")
     assert len(res.token_ids) == 1
     assert worst_lag < 0.25 and worst_lag < took
+
+
+def test_embedded_model_batched_greedy_equals_solo_except_near_ties(tiny_model_dir):
+    from clawrl.chat import render_prompt
+
+    lm = load_model(str(tiny_model_dir), device="cpu")
+    questions = ["What is 7+5?", "What is 12+30?", "Say hello.", "What is the capital of France?",
+                 "Write one line about cats.", "What is 9+9?", "Name a color.", "What is 41+17?"]
+    ps = [render_prompt(lm.tokenizer, q) for q in questions]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+
+    async def go():
+        async with running(lm) as eng:
+            solo = [await eng.generate(p, params) for p in ps]
+            await eng.flush_cache()
+            return solo, await asyncio.gather(*(eng.generate(p, params) for p in ps))
+
+    solo, batched = run(go())
+    gaps = []
+    for p, s, b in zip(ps, solo, batched):
+        if s.token_ids == b.token_ids:
+            continue
+        j = next((i for i, (x, y) in enumerate(zip(s.token_ids, b.token_ids)) if x != y), None)
+        assert j is not None, "one stopped early while the other went on"
+        top2 = hf_logits(lm.model, p + s.token_ids[:j])[-1].topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+    print(f"clawrl-tiny batched vs solo: {len(gaps)} of {len(ps)} diverged; top-2 gaps: {gaps}")
+    assert all(g < 1e-4 for g in gaps), gaps
