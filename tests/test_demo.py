@@ -17,13 +17,14 @@ from clawrl.store import TurnStore
 
 from gateway_support import build_tiny_model, model_cache_dir
 
-REPLIES = {  # 7 + 5, as the embedded model phrases additions
-    "12": {"bare"}, "12.": {"bare"}, "7 + 5 = 12": {"worked"}, "7 + 5 = 12.": {"worked"},
-    "The answer is 12.": set(), "7 plus 5 is 12.": set(), "13": set(), "7 + 5 = 13": set(), "Hello!": set(),
+REPLIES = {  # 7 + 5, as the embedded model phrases additions; the users judge the form, not the sum
+    "12": {"bare"}, "12.": {"bare"}, "13": {"bare"}, "7 + 5 = 12": {"worked"}, "7 + 5 = 12.": {"worked"},
+    "7 + 5 = 13": {"worked"}, "7 + 6 = 13": set(), "The answer is 12.": set(), "7 plus 5 is 12.": set(),
+    "Hello!": set(),
 }
 
 
-@pytest.mark.parametrize("name", sorted(USERS))
+@pytest.mark.parametrize("name", ["bare", "worked"])
 def test_simulated_feedback_is_judged_the_way_the_user_means_it(name):
     user, judge, rng = USERS[name], RulesJudge(), random.Random(0)
     q = Question("What is 7 + 5?", 7, 5)

@@ -179,8 +179,8 @@ class LoggingConfig:
 
 @dataclass
 class DemoConfig:
-    # The simulated user's hidden preference: bare (just the sum) | worked ("7 + 5 = 12").
-    user: str = "bare"
+    # The simulated user's hidden preference: worked ("7 + 5 = 12") | bare (just a number).
+    user: str = "worked"
     # Interactions with the simulated user: a question, the model's reply, the user's feedback.
     interactions: int = 160
     # Measure the preference-satisfaction rate before the first and after every N interactions.

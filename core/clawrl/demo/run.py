@@ -22,9 +22,11 @@ log = logging.getLogger(__name__)
 DEMO_DEFAULTS = (
     "server.port=0",
     "train.batch_size=8",
-    "train.lr=1e-3",
+    "train.lr=1e-4",
     "train.save_every=5",
     "engine.max_batch_size=64",
+    "opd.topk=8",  # opd/combine: the teacher's top-8 per token, so distillation also says what to say instead
+    "logging.wandb.mode=disabled",  # a throwaway run: metrics.jsonl and the demo's own table suffice
 )
 SERVING_TEMPERATURE = 1.0  # the trainer recomputes logprobs at temperature 1: sample at it too
 
@@ -33,6 +35,7 @@ SERVING_TEMPERATURE = 1.0  # the trainer recomputes logprobs at temperature 1: s
 class Point:
     interactions: int
     rate: float  # preference satisfied on the held-out questions
+    correct: float  # held-out replies whose last number is the sum (never fed back to the model)
     weight_version: int
     train_step: int
     online_rate: float | None  # satisfied among the interactions since the previous point
@@ -46,7 +49,7 @@ async def run_demo(cfg) -> list[Point]:
     from tqdm import tqdm
 
     from clawrl.demo.evaluation import held_out_questions, preference_rate
-    from clawrl.demo.users import ask, make_user
+    from clawrl.demo.users import ask, correct, make_user
     from clawrl.engines import make_engine
     from clawrl.gateway.app import create_app
     from clawrl.orchestration.learner import attach_learning
@@ -82,12 +85,13 @@ async def run_demo(cfg) -> list[Point]:
         async def measure(k: int) -> None:
             if learner is not None:
                 await learner.settle()
-            rate, _ = await preference_rate(client, model, user, held_out, SERVING_TEMPERATURE, demo.max_tokens,
-                                            cfg.seed)
+            rate, replies = await preference_rate(client, model, user, held_out, SERVING_TEMPERATURE,
+                                                  demo.max_tokens, cfg.seed)
+            right = sum(correct(q, r) for q, r in zip(held_out, replies)) / len(held_out)
             online = sum(window) / len(window) if window else None
             window.clear()
             step = learner.train_step if learner is not None else 0
-            points.append(Point(k, rate, engine.model_info().weight_version, step, online,
+            points.append(Point(k, rate, right, engine.model_info().weight_version, step, online,
                                 round(time.monotonic() - started, 1)))
             log.info("after %d interactions: %.0f%% of %d held-out questions answered the way the user likes "
                      "(weight version %d, train step %d)", k, 100 * rate, len(held_out),
@@ -126,12 +130,12 @@ def write_outputs(points: list[Point], cfg, out_dir: Path) -> tuple[Path, Path, 
     from clawrl.demo.plot import plot_curves
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = ["| interactions | held-out rate | weight version | train steps | satisfied since last row | s |",
-            "|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| interactions | held-out rate | held-out correct | weight version | train steps "
+            "| satisfied since last row | s |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         online = "" if p.online_rate is None else f"{p.online_rate:.2f}"
-        rows.append(f"| {p.interactions} | {p.rate:.2f} | {p.weight_version} | {p.train_step} | {online} | "
-                    f"{p.seconds:.0f} |")
+        rows.append(f"| {p.interactions} | {p.rate:.2f} | {p.correct:.2f} | {p.weight_version} | {p.train_step} "
+                    f"| {online} | {p.seconds:.0f} |")
     rise = points[-1].rate - points[0].rate
     table = "\n".join(rows) + f"\n\nrise: {points[0].rate:.2f} -> {points[-1].rate:.2f} ({rise:+.2f})\n"
     (out_dir / "results.md").write_text(table)
@@ -145,7 +149,7 @@ def write_outputs(points: list[Point], cfg, out_dir: Path) -> tuple[Path, Path, 
 
 
 def demo_cli(args) -> int:
-    """``clawrl demo method=rl [key=value ...]``."""
+    """``clawrl demo method=rl|opd|combine [key=value ...]``."""
     from clawrl.cli import CliError
     from clawrl.config import compose
     from clawrl.orchestration.learner import check_method

@@ -8,6 +8,11 @@ which the judge turns into +1 / -1.
 The preferences are chosen inside what the embedded model already says sometimes (see
 ``clawrl.embedded.corpus``: an addition is answered as a bare number, as "7 + 5 = 12", or as a
 sentence), so learning can only shift probability between replies the model can produce.
+
+A preference is about the *form* of a reply: these users do not re-check the sum. Sampled at
+temperature 1 the tiny model gets most held-out sums wrong, so a user who also demanded the right
+number would be satisfied too rarely to teach anything within a few hundred interactions; the
+demo reports correctness on its own, so any cost of the preference to arithmetic stays visible.
 """
 from __future__ import annotations
 
@@ -40,40 +45,93 @@ _THANKS = ("Thanks!", "Great, thanks!", "Perfect, thank you.", "Thanks, that's w
 
 
 class BareAnswerUser:
-    """Wants the sum and nothing else ("12", not "7 + 5 = 12" or "The answer is 12.")."""
+    """Wants a bare number ("12"), not "7 + 5 = 12" or "The answer is 12."."""
 
     name = "bare"
-    _WORDY = ("Hmm, no -- too wordy.", "That's not what I wanted.", "Too long.")
-    _WRONG = ("No, that's wrong.", "That's not right.")
+    _OTHER = ("Hmm, no -- too wordy.", "That's not what I wanted.", "Too long.")
 
     def satisfied(self, q: Question, reply: str) -> bool:
-        return re.fullmatch(r"\s*(-?\d+)\.?\s*", reply) is not None and int(reply.strip().rstrip(".")) == q.answer
+        return re.fullmatch(r"\s*-?\d+\.?\s*", reply) is not None
 
     def feedback(self, q: Question, reply: str, rng: random.Random) -> str:
-        if self.satisfied(q, reply):
-            return rng.choice(_THANKS)
-        numbers = re.findall(r"-?\d+", reply)
-        return rng.choice(self._WRONG if not numbers or int(numbers[-1]) != q.answer else self._WORDY)
+        return rng.choice(_THANKS if self.satisfied(q, reply) else self._OTHER)
 
 
 class WorkedAnswerUser:
-    """Wants to see the sum worked out ("7 + 5 = 12"), not just a number or a sentence."""
+    """Wants the working shown with the question's operands ("7 + 5 = 12"), not a bare number or
+    a sentence."""
 
     name = "worked"
-    _BARE = ("No, that's not it.", "That's not what I wanted.")
+    _OTHER = ("No, that's not it.", "That's not what I wanted.")
+
+    def satisfied(self, q: Question, reply: str) -> bool:
+        return re.fullmatch(rf"\s*{q.a}\s*\+\s*{q.b}\s*=\s*-?\d+\.?\s*", reply) is not None
+
+    def feedback(self, q: Question, reply: str, rng: random.Random) -> str:
+        return rng.choice(_THANKS if self.satisfied(q, reply) else self._OTHER)
+
+
+def correct(q: Question, reply: str) -> bool:
+    """The reply's last number is the sum (the demo also reports it on its own)."""
+    numbers = re.findall(r"-?\d+", reply)
+    return bool(numbers) and int(numbers[-1]) == q.answer
+
+
+class StudentUser:
+    """A student who wants answers that do not sound machine-written -- in the tiny model's domain,
+    the bare sum a person would jot down ("12"), not "7 + 5 = 12" or "The sum of 7 and 5 is 12.".
+
+    Corrections are natural and say what to do instead; some carry a complaint the rules reward
+    judge reads as -1, some only the instruction (no reward signal, but a hint for OPD)."""
+
+    name = "student"
+    _ROBOTIC = ("That's not what I wanted. Just the number, please.",
+                "No, that sounds like a robot. Just the answer, please.",
+                "Hmm, no -- that sounds machine-written. Just the number, please.",
+                "Too robotic -- just give me the number.")
     _WRONG = ("No, that's wrong.", "That's not right.")
 
     def satisfied(self, q: Question, reply: str) -> bool:
-        return re.fullmatch(rf"\s*{q.a}\s*\+\s*{q.b}\s*=\s*{q.answer}\.?\s*", reply) is not None
+        return re.fullmatch(r"\s*-?\d+\.?\s*", reply) is not None and correct(q, reply)
 
     def feedback(self, q: Question, reply: str, rng: random.Random) -> str:
         if self.satisfied(q, reply):
             return rng.choice(_THANKS)
-        numbers = re.findall(r"-?\d+", reply)
-        return rng.choice(self._WRONG if not numbers or int(numbers[-1]) != q.answer else self._BARE)
+        return rng.choice(self._ROBOTIC if correct(q, reply) else self._WRONG)
 
 
-USERS = {u.name: u for u in (BareAnswerUser(), WorkedAnswerUser())}
+class TeacherUser:
+    """A teacher who wants specific, friendly comments -- in the tiny model's domain, a friendly
+    opener and the sum worked out with the question's own numbers: "Sure! 7 + 5 = 12.".
+
+    The model almost never opens with "Sure!" by itself (it does when a prompt says
+    ``[Instruction: start your reply with 'Sure!']``), so a +1 is rare and Binary RL has little to
+    reinforce; the corrections name the opener, which the hint judge turns into a hint."""
+
+    name = "teacher"
+    _COLD = ("That's not what I wanted. Be friendlier: start your reply with 'Sure!'.",
+             "Hmm, no -- too cold. Start your reply with 'Sure!' next time.")
+    _VAGUE_COLD = ("That's not what I wanted: write out the whole sum, and start your reply with 'Sure!'.",
+                   "That's not what I wanted. Show the whole sum, and start with 'Sure!'.")
+    _VAGUE = ("That's not what I wanted: write out the whole sum.", "That's not what I wanted.")
+    _WRONG = ("No, that's wrong.", "That's not right.")
+
+    def satisfied(self, q: Question, reply: str) -> bool:
+        return re.fullmatch(rf"\s*Sure!\s*{q.a}\s*\+\s*{q.b}\s*=\s*{q.answer}\.?\s*", reply) is not None
+
+    def feedback(self, q: Question, reply: str, rng: random.Random) -> str:
+        if self.satisfied(q, reply):
+            return rng.choice(_THANKS)
+        if not correct(q, reply):
+            return rng.choice(self._WRONG)
+        friendly = reply.lstrip().startswith("Sure!")
+        worked = re.search(rf"\b{q.a}\s*\+\s*{q.b}\s*=\s*{q.answer}\b", reply) is not None
+        if worked:
+            return rng.choice(self._COLD)
+        return rng.choice(self._VAGUE if friendly else self._VAGUE_COLD)
+
+
+USERS = {u.name: u for u in (BareAnswerUser(), WorkedAnswerUser(), StudentUser(), TeacherUser())}
 
 
 def make_user(name: str):
