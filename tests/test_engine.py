@@ -284,7 +284,10 @@ def test_abort_and_closing_the_stream_end_requests(loaded):
             it = eng.stream(p, params, request_id="r2")
             await it.__anext__()
             await it.aclose()
-            for _ in range(100):
+            dropped = eng.stream(p, params, request_id="r3")  # never iterated
+            del dropped
+            assert not await eng.abort("r3")  # already gone: dropping it aborted it
+            for _ in range(300):
                 if (await eng.health())["running"] == 0:
                     break
                 await asyncio.sleep(0.01)

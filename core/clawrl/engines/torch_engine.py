@@ -147,25 +147,7 @@ class TorchEngine(Engine):
                        stop_matcher=StopStringMatcher(self.tokenizer, params.stop) if params.stop else None)
         self._live[rid] = req
         self._cmds.put(("add", req))
-        return self._consume(req)
-
-    async def _consume(self, req: _Request) -> AsyncIterator[TokenChunk]:
-        finished = False
-        try:
-            while not finished:
-                items = [await req.chunks.get()]
-                while not req.chunks.empty():
-                    items.append(req.chunks.get_nowait())
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                chunk = _merge(items)
-                finished = chunk.finish_reason is not None
-                yield chunk
-        finally:
-            self._live.pop(req.rid, None)
-            if not finished:
-                self._cmds.put(("abort", req.rid))
+        return _TokenStream(self, req)
 
     async def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int = 0,
                     temperature: float = 1.0) -> ScoreResult:
@@ -481,6 +463,54 @@ class TorchEngine(Engine):
                 self._remember(req.feed + req.out_ids, req)
         elif req in self._waiting:
             self._waiting.remove(req)
+
+
+class _TokenStream:
+    """What ``stream()`` returns: an async iterator of merged chunks.
+
+    Ending it early in any way -- ``aclose()``, leaving ``async for``, or dropping it without ever
+    iterating (a request refused halfway through opening several) -- aborts the request, so an
+    abandoned request never keeps decoding for nobody.
+    """
+
+    def __init__(self, engine: TorchEngine, req: _Request):
+        self._engine, self._req = engine, req
+        self._finished = self._closed = False
+
+    def __aiter__(self) -> "_TokenStream":
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        q = self._req.chunks
+        items = [await q.get()]
+        while not q.empty():  # a slow reader gets what piled up as one chunk
+            items.append(q.get_nowait())
+        for item in items:
+            if isinstance(item, BaseException):  # the engine already dropped this request
+                self._finished = True
+                self._close()
+                raise item
+        chunk = _merge(items)
+        if chunk.finish_reason is not None:
+            self._finished = True
+            self._close()
+        return chunk
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._live.pop(self._req.rid, None)
+        if not self._finished:
+            self._engine._cmds.put(("abort", self._req.rid))
+
+    def __del__(self):
+        self._close()
 
 
 def _merge(chunks: list[TokenChunk]) -> TokenChunk:
