@@ -219,7 +219,7 @@ def stock_session(tmp_path_factory, server):
         return openclaw_cli.agent_turn(home, s, m)
 
     (r1, wall1), (r2, wall2) = timed_turn(run, sid, M1), timed_turn(run, sid, M2)
-    mine = [t for t in server.turns() if mentions(t, "session=agent:main:explicit:" + sid) or mentions(t, M1)]
+    mine = [t for t in server.turns() if mentions(t, f"sessionId={sid} ")]  # OpenClaw's runtime line
     return {"results": [r1, r2], "wall": [wall1, wall2], "turns": mine}
 
 
