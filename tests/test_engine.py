@@ -502,3 +502,25 @@ def test_embedded_model_batched_greedy_equals_solo_except_near_ties(tiny_model_d
         gaps.append(float(top2[0] - top2[1]))
     print(f"clawrl-tiny batched vs solo: {len(gaps)} of {len(ps)} diverged; top-2 gaps: {gaps}")
     assert all(g < 1e-4 for g in gaps), gaps
+
+
+def test_score_spanning_a_weight_swap_is_wholly_the_new_version(model_dirs):
+    a = load_model(str(model_dirs[0]), device="cpu")
+    b = load_model(str(model_dirs[1]), device="cpu")
+    new_state = {k: v.clone() for k, v in b.model.state_dict().items()}
+    p = prompts(1, vocab(a), seed=25, lo=300, hi=301)[0]
+    resp = prompts(1, vocab(a), seed=26, lo=8, hi=9)[0]
+
+    async def go():
+        async with running(a, prefill_chunk_tokens=8) as eng:
+            task = asyncio.create_task(eng.score(p, resp))
+            while eng.steps < 5:
+                await asyncio.sleep(0.001)
+            assert not task.done()
+            await eng.update_weights(new_state, 1)
+            return await task
+
+    sc = run(go())
+    ref = torch.log_softmax(hf_logits(b.model, p + resp), -1)[len(p) - 1: -1]
+    assert sc.weight_version == 1
+    assert sc.logprobs == pytest.approx(ref.gather(1, torch.tensor(resp)[:, None])[:, 0].tolist(), abs=1e-4)
