@@ -301,3 +301,17 @@ def test_admission_queues_fifo_refuses_past_the_queue_and_survives_cancelled_wai
         assert adm.free == 2
 
     asyncio.run(scenario())
+
+
+def test_tool_call_tags_survive_decoding_when_the_tokenizer_marks_them_special(tiny_model_dir):
+    """The embedded tokenizer (like some HF ones) marks <tool_call> special; the parser still sees it."""
+    from transformers import AutoTokenizer
+
+    from clawrl.gateway.text import IncrementalDecoder
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert tok.added_tokens_decoder[tok.convert_tokens_to_ids("<tool_call>")].special
+    ids = tok.encode('<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call><|im_end|>')
+    dec = IncrementalDecoder(tok)
+    text = "".join(dec.push([i]) for i in ids) + dec.flush()
+    assert text == '<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>'  # <|im_end|> hidden

@@ -8,7 +8,19 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from clawrl.gateway.toolcalls import Content, ToolCall, ToolCallExtractor, held_suffix_len
+from clawrl.gateway.toolcalls import TOOL_CLOSE, TOOL_OPEN, Content, ToolCall, ToolCallExtractor, held_suffix_len
+
+
+def hidden_special_ids(tokenizer) -> frozenset[int]:
+    """Ids of special tokens that never reach the client's text (eos, chat markers, padding).
+
+    The tool-call tags are kept even when a tokenizer marks them special (the embedded one does;
+    some HF models do too): they are how the parser finds a call, and dropping them would turn
+    every tool call into plain content.
+    """
+    special = {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
+    special |= set(tokenizer.all_special_ids)
+    return frozenset(special - {tokenizer.convert_tokens_to_ids(t) for t in (TOOL_OPEN, TOOL_CLOSE)})
 
 
 class IncrementalDecoder:
@@ -20,12 +32,14 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._hidden = hidden_special_ids(tokenizer)
         self.ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # ids up to here are already emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def push(self, ids: list[int]) -> str:
         self.ids += ids
