@@ -86,6 +86,6 @@ def test_demo_refuses_a_run_dir_that_holds_a_run(tmp_path, capsys):
     assert len(err) == 1 and "already holds a run" in err[0]
 
 
-def test_demo_of_a_method_not_built_yet_is_a_one_line_error(tmp_path, capsys):
-    assert main(["demo", "method=opd", f"run_dir={tmp_path / 'x'}"]) == 2
-    assert "method=opd is not built yet" in capsys.readouterr().err
+def test_demo_of_an_unknown_method_is_a_one_line_error(tmp_path, capsys):
+    assert main(["demo", "method=sft", f"run_dir={tmp_path / 'x'}"]) == 2
+    assert "unknown method 'sft'" in capsys.readouterr().err

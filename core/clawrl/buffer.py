@@ -46,6 +46,18 @@ Use (the orchestrator)::
         buffer.mark_trained([s.sample_id for s in batch], train_step, new_weight_version)
     buffer.counts()                                         # for /admin/status
 
+On-policy distillation (``method=opd|combine``) adds a second signal, the teacher's score of a turn
+(``clawrl.teacher``), resolved per sample with :meth:`RolloutBuffer.resolve_opd` (``opd_state``:
+``scored``, ``none`` -- no hint or the teacher failed --, or ``timeout``). With ``opd_gated`` a judged
+sample is promoted to ready only once its OPD is resolved, so a sample never trains without a teacher
+score that is still coming. Without ``rl_judged`` (``method=opd``) no reward judge runs: a pending
+sample with a teacher score becomes ready (``rl_signal=0``, advantage 0), one without is skipped as
+``no_hint:<reason>`` / ``teacher_failed:<reason>``. With both (``combine``) a verdict without signal
+is kept (``rl_signal=0``) while its hint may still train it, and skipped as ``no_signal`` once the
+teacher has nothing either; a sample with a reward whose teacher score has not come after
+``combine.opd_wait_s`` is resolved as ``timeout`` and trains RL-only (the caller decides the timeout).
+Samples without a reward signal take no part in group statistics or the EMA baseline.
+
 The buffer has its own schema version (``meta.buffer_schema_version``) so the store's schema and
 its migrations stay the store's own.
 """
@@ -111,7 +123,13 @@ _SCHEMA = [
     );
     CREATE INDEX votes_by_sample ON votes (sample_id);
     """,
+    # version 2: on-policy distillation
+    """
+    ALTER TABLE samples ADD COLUMN rl_signal INTEGER NOT NULL DEFAULT 1;  -- 0: no judged reward (OPD only)
+    ALTER TABLE samples ADD COLUMN opd_state TEXT;                         -- NULL (unresolved), scored, none, timeout
+    """,
 ]
+OPD_OUTCOMES = ("scored", "none", "timeout")
 _META_VERSION = "buffer_schema_version"
 _META_SCAN = "buffer_scan_from"  # every turn below this id is closed and has its sample
 _META_BASELINE = "buffer_baseline"
@@ -141,7 +159,9 @@ class RolloutBuffer:
     """Samples on the turn store (see the module docstring). Methods are synchronous SQLite
     transactions; from the event loop call them with ``asyncio.to_thread``."""
 
-    def __init__(self, store: TurnStore, train: TrainConfig):
+    def __init__(self, store: TurnStore, train: TrainConfig, rl_judged: bool = True, opd_gated: bool = False):
+        if not (rl_judged or opd_gated):
+            raise ValueError("a rollout buffer needs a reward judge, an OPD teacher, or both")
         if train.stale_policy not in STALE_POLICIES:
             raise ValueError(f"train.stale_policy must be one of {', '.join(STALE_POLICIES)}, not {train.stale_policy!r}")
         if train.baseline not in BASELINES:
@@ -153,6 +173,7 @@ class RolloutBuffer:
             raise ValueError("train.max_weight_lag must be >= 0")
         self.store = store
         self.train = train
+        self.rl_judged, self.opd_gated = rl_judged, opd_gated
         self._migrate()
 
     # --- schema --------------------------------------------------------------------------------
@@ -297,14 +318,17 @@ class RolloutBuffer:
         all_votes = list(earlier) + [(attempt, v) for v in verdict.votes]
         with self.store._tx() as c:
             self._insert_votes(c, sample_id, verdict.kind, all_votes, now)
-            if not verdict.signal:
+            # under OPD a verdict without signal waits for the teacher, unless the teacher has nothing
+            hint_may_train = self.opd_gated and self._opd_state(c, sample_id) in (None, "scored")
+            if not verdict.signal and not hint_may_train:
                 state = self._finish_skip(c, sample_id, "no_signal", now, verdict=verdict.score, kind=verdict.kind)
                 ready = []
             else:
                 n = c.execute(
-                    "UPDATE samples SET state = 'judged', judge_kind = ?, verdict = ?, reward = ?, judged_at = ? "
-                    "WHERE sample_id = ? AND state = 'pending'",
-                    (verdict.kind, verdict.score, float(verdict.score), now, sample_id),
+                    "UPDATE samples SET state = 'judged', judge_kind = ?, verdict = ?, reward = ?, rl_signal = ?, "
+                    "judged_at = ? WHERE sample_id = ? AND state = 'pending'",
+                    (verdict.kind, verdict.score, float(verdict.score) if verdict.signal else 0.0,
+                     int(verdict.signal), now, sample_id),
                 ).rowcount
                 state = "judged" if n else self._state(c, sample_id)
                 ready = self._promote(c, now)
@@ -336,6 +360,50 @@ class RolloutBuffer:
         return "skipped" if n else self._state(c, sample_id)
 
     @staticmethod
+    def _opd_state(c, sample_id: int) -> Optional[str]:
+        row = c.execute("SELECT opd_state FROM samples WHERE sample_id = ?", (sample_id,)).fetchone()
+        return row[0] if row else None
+
+    def resolve_opd(self, sample_id: int, outcome: str, reason: str = "", now: Optional[float] = None) -> str:
+        """Record the teacher's outcome for a sample (module docstring) and promote or skip it.
+
+        ``outcome``: ``scored`` (teacher logprobs are stored), ``none`` (no hint, or the teacher
+        failed: ``reason`` says which, e.g. ``no_hint:no_hindsight``) or ``timeout`` (a rewarded
+        sample stops waiting). A sample already resolved, trained or skipped is left alone.
+        Returns the sample's state afterwards."""
+        if outcome not in OPD_OUTCOMES:
+            raise ValueError(f"OPD outcome must be one of {', '.join(OPD_OUTCOMES)}, not {outcome!r}")
+        if not self.opd_gated:
+            raise ValueError("this buffer does not wait for OPD (opd_gated=False)")
+        now = time.time() if now is None else now
+        ready: list = []
+        with self.store._tx() as c:
+            row = c.execute("SELECT state, rl_signal, opd_state FROM samples WHERE sample_id = ?",
+                            (sample_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no sample with id {sample_id}")
+            state, rl_signal, current = row
+            if current is not None or state not in ("pending", "judged"):
+                return state
+            c.execute("UPDATE samples SET opd_state = ? WHERE sample_id = ?", (outcome, sample_id))
+            if state == "pending" and not self.rl_judged:
+                if outcome != "scored":
+                    state = self._finish_skip(c, sample_id, reason or "no_hint", now, kind="opd")
+                else:
+                    c.execute("UPDATE samples SET state = 'judged', judge_kind = 'opd', reward = 0, rl_signal = 0, "
+                              "judged_at = ? WHERE sample_id = ?", (now, sample_id))
+                    state = "judged"
+            elif state == "judged" and not rl_signal and outcome != "scored":
+                state = self._finish_skip(c, sample_id, "no_signal", now)
+            if state == "judged":
+                ready = self._promote(c, now)
+                if any(r[0] == sample_id for r in ready):
+                    state = "ready"
+        log.info("sample %d: teacher %s%s -> %s", sample_id, outcome, f" ({reason})" if reason else "", state)
+        self._log_ready(ready)
+        return state
+
+    @staticmethod
     def _state(c, sample_id: int) -> str:
         row = c.execute("SELECT state FROM samples WHERE sample_id = ?", (sample_id,)).fetchone()
         if row is None:
@@ -358,15 +426,25 @@ class RolloutBuffer:
         A group is complete when no sample of it is pending and every turn sharing its request
         key has a sample (a sibling choice still open may yet be judged).
         """
+        # with OPD, a group waits until every judged member's teacher outcome is in, too
+        opd_wait = ("AND NOT EXISTS (SELECT 1 FROM samples o WHERE o.group_id = s.group_id AND o.state = 'judged' "
+                    "AND o.opd_state IS NULL) " if self.opd_gated else "")
         rows = c.execute(
-            "SELECT s.sample_id, s.turn_id, s.group_id, s.reward FROM samples s WHERE s.state = 'judged' "
+            "SELECT s.sample_id, s.turn_id, s.group_id, s.reward, s.rl_signal FROM samples s WHERE s.state = 'judged' "
             "AND NOT EXISTS (SELECT 1 FROM samples p WHERE p.group_id = s.group_id AND p.state = 'pending') "
             "AND NOT EXISTS (SELECT 1 FROM turns t WHERE t.request_key = s.request_key "
             "                AND NOT EXISTS (SELECT 1 FROM samples q WHERE q.turn_id = t.turn_id)) "
-            "ORDER BY s.sample_id"
+            + opd_wait + "ORDER BY s.sample_id"
         ).fetchall()
         if not rows:
             return []
+        # samples without a judged reward (OPD only) get advantage 0 and stay out of the statistics
+        out = [(sid, turn_id, reward, 0.0, 1) for sid, turn_id, _, reward, rl in rows if not rl]
+        for sid, *_ in out:
+            c.execute("UPDATE samples SET state = 'ready', advantage = 0 WHERE sample_id = ?", (sid,))
+        rows = [r[:4] for r in rows if r[4]]
+        if not rows:
+            return out
         group_index = {g: i for i, g in enumerate(dict.fromkeys(r[2] for r in rows))}
         rewards = torch.tensor([r[3] for r in rows], dtype=torch.float64)
         gids = torch.tensor([group_index[r[2]] for r in rows], dtype=torch.int64)
@@ -378,7 +456,6 @@ class RolloutBuffer:
         if ema:
             rb.update(rewards[sizes == 1].tolist())
             self._set_meta(c, _META_BASELINE, json.dumps(rb.state_dict()))
-        out = []
         for (sid, turn_id, _, reward), a, size in zip(rows, adv.tolist(), sizes.tolist()):
             c.execute("UPDATE samples SET state = 'ready', advantage = ? WHERE sample_id = ?", (a, sid))
             out.append((sid, turn_id, reward, a, size))
@@ -409,14 +486,14 @@ class RolloutBuffer:
                 rows = c.execute(
                     "SELECT s.sample_id, s.turn_id, s.group_id, s.reward, s.advantage, s.judge_kind, t.turn_type, "
                     "t.trainable, t.untrainable_reason, t.close_reason, t.prompt_ids, t.response_ids, t.logprobs, "
-                    "t.weight_versions, t.temperature FROM samples s JOIN turns t ON t.turn_id = s.turn_id "
+                    "t.weight_versions, t.temperature, s.rl_signal, s.opd_state FROM samples s JOIN turns t ON t.turn_id = s.turn_id "
                     "WHERE s.state = 'ready' AND s.sample_id > ? ORDER BY s.sample_id LIMIT ?",
                     (last, n - len(out)),
                 ).fetchall()
                 if not rows:
                     break
                 for (sid, turn_id, group_id, reward, adv, kind, turn_type, trainable, reason, close_reason,
-                     p_blob, r_blob, lp_blob, v_blob, temperature) in rows:
+                     p_blob, r_blob, lp_blob, v_blob, temperature, rl_signal, opd_state) in rows:
                     last = sid
                     skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
                     versions = unpack(v_blob, "q") or []
@@ -434,7 +511,8 @@ class RolloutBuffer:
                         sample_id=sid, turn_id=turn_id, group_id=group_id, prompt_ids=unpack(p_blob, "i"),
                         response_ids=unpack(r_blob, "i"), rollout_logprobs=unpack(lp_blob, "d"),
                         weight_versions=versions, reward=float(reward), advantage=float(adv),
-                        extra={"weight_lag": lag, "judge_kind": kind, "temperature": temperature},
+                        extra={"weight_lag": lag, "judge_kind": kind, "temperature": temperature, "rl_signal": bool(rl_signal),
+                               "opd_state": opd_state},
                     ))
         for sid, turn_id, why in skipped:
             log.info("sample %d (turn %d) skipped at take time: %s", sid, turn_id, why)
@@ -527,7 +605,8 @@ class RolloutBuffer:
 
     def get_sample(self, sample_id: int) -> dict:
         cols = ("sample_id", "turn_id", "group_id", "state", "skip_reason", "judge_kind", "verdict", "reward",
-                "advantage", "weight_lag", "consumed_version", "train_step", "trained_version", "requeues")
+                "advantage", "weight_lag", "consumed_version", "train_step", "trained_version", "requeues",
+                "rl_signal", "opd_state")
         row = self.store._conn().execute(f"SELECT {', '.join(cols)} FROM samples WHERE sample_id = ?",
                                          (sample_id,)).fetchone()
         if row is None:

@@ -162,6 +162,22 @@ class OpdConfig:
     topk: int = 0
     # Turns hint-judged or teacher-scored at once; keep small so scoring never crowds out serving.
     concurrency: int = 1
+    # Weight of the top-k distillation loss (used when topk > 0); 0: token advantages only.
+    topk_coef: float = 1.0
+    # Its direction: reverse (KL(student || teacher), mode-seeking, cannot raise a token the student
+    # gives ~0 probability) | forward (KL(teacher || student), pulls the student onto the teacher's top-k).
+    topk_kl: str = "reverse"
+    # |teacher - student| logprob gap is clipped to this, so one near-impossible token cannot dominate.
+    adv_clip: float = 5.0
+
+
+@dataclass
+class CombineConfig:
+    # method=combine: A = w_rl * A_rl + w_opd * A_opd per token (a turn with one signal gets that term).
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    # A judged turn whose teacher score is still missing after this many seconds trains RL-only.
+    opd_wait_s: float = 120.0
 
 
 @dataclass
@@ -206,6 +222,7 @@ class ClawrlConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     opd: OpdConfig = field(default_factory=OpdConfig)
+    combine: CombineConfig = field(default_factory=CombineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # ``clawrl demo`` only: the simulated user and how the demo measures learning.
     demo: DemoConfig = field(default_factory=DemoConfig)

@@ -79,7 +79,7 @@ def correct(q: Question, reply: str) -> bool:
 
 class StudentUser:
     """A student who wants answers that do not sound machine-written -- in the tiny model's domain,
-    the bare sum a person would jot down ("12"), not "7 + 5 = 12" or "The sum of 7 and 5 is 12.".
+    the bare number a person would jot down ("12"), not "7 + 5 = 12" or "The sum of 7 and 5 is 12.".
 
     Corrections are natural and say what to do instead; some carry a complaint the rules reward
     judge reads as -1, some only the instruction (no reward signal, but a hint for OPD)."""
@@ -89,15 +89,12 @@ class StudentUser:
                 "No, that sounds like a robot. Just the answer, please.",
                 "Hmm, no -- that sounds machine-written. Just the number, please.",
                 "Too robotic -- just give me the number.")
-    _WRONG = ("No, that's wrong.", "That's not right.")
 
     def satisfied(self, q: Question, reply: str) -> bool:
-        return re.fullmatch(r"\s*-?\d+\.?\s*", reply) is not None and correct(q, reply)
+        return re.fullmatch(r"\s*-?\d+\.?\s*", reply) is not None
 
     def feedback(self, q: Question, reply: str, rng: random.Random) -> str:
-        if self.satisfied(q, reply):
-            return rng.choice(_THANKS)
-        return rng.choice(self._ROBOTIC if correct(q, reply) else self._WRONG)
+        return rng.choice(_THANKS if self.satisfied(q, reply) else self._ROBOTIC)
 
 
 class TeacherUser:
@@ -106,7 +103,7 @@ class TeacherUser:
 
     The model almost never opens with "Sure!" by itself (it does when a prompt says
     ``[Instruction: start your reply with 'Sure!']``), so a +1 is rare and Binary RL has little to
-    reinforce; the corrections name the opener, which the hint judge turns into a hint."""
+    reinforce; the corrections name what is missing, which the hint judge turns into a hint."""
 
     name = "teacher"
     _COLD = ("That's not what I wanted. Be friendlier: start your reply with 'Sure!'.",
@@ -114,21 +111,20 @@ class TeacherUser:
     _VAGUE_COLD = ("That's not what I wanted: write out the whole sum, and start your reply with 'Sure!'.",
                    "That's not what I wanted. Show the whole sum, and start with 'Sure!'.")
     _VAGUE = ("That's not what I wanted: write out the whole sum.", "That's not what I wanted.")
-    _WRONG = ("No, that's wrong.", "That's not right.")
+
+    @staticmethod
+    def _worked(q: Question, reply: str) -> bool:
+        return re.search(rf"(?<!\d){q.a}\s*\+\s*{q.b}\s*=\s*-?\d+", reply) is not None
 
     def satisfied(self, q: Question, reply: str) -> bool:
-        return re.fullmatch(rf"\s*Sure!\s*{q.a}\s*\+\s*{q.b}\s*=\s*{q.answer}\.?\s*", reply) is not None
+        return re.match(rf"\s*Sure!\s*{q.a}\s*\+\s*{q.b}\s*=\s*-?\d+", reply) is not None
 
     def feedback(self, q: Question, reply: str, rng: random.Random) -> str:
         if self.satisfied(q, reply):
             return rng.choice(_THANKS)
-        if not correct(q, reply):
-            return rng.choice(self._WRONG)
-        friendly = reply.lstrip().startswith("Sure!")
-        worked = re.search(rf"\b{q.a}\s*\+\s*{q.b}\s*=\s*{q.answer}\b", reply) is not None
-        if worked:
+        if self._worked(q, reply):
             return rng.choice(self._COLD)
-        return rng.choice(self._VAGUE if friendly else self._VAGUE_COLD)
+        return rng.choice(self._VAGUE if reply.lstrip().startswith("Sure!") else self._VAGUE_COLD)
 
 
 USERS = {u.name: u for u in (BareAnswerUser(), WorkedAnswerUser(), StudentUser(), TeacherUser())}

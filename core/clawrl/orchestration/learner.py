@@ -13,6 +13,10 @@ Four things run at once in the server's event loop, and serving never waits on t
 - admin routes pause and resume *training only* (``POST /admin/pause``, ``/admin/resume``) and
   ``GET /admin/status`` reports samples, steps, the last loss and why training is paused.
 
+``method=opd`` replaces the reward judge with on-policy distillation (a hint judge and a teacher
+scoring each turn's tokens under the hinted prompt; ``clawrl.orchestration.opd``), and
+``method=combine`` runs both: a turn trains with its reward, its teacher signal, or both.
+
 On start the learner resumes from the newest checkpoint (trainer weights, optimizer, step, and the
 engine serving those weights under the checkpoint's version) and returns to ready every sample
 whose update was lost with the newer weights (``RolloutBuffer.requeue_after_restore``), so each
@@ -40,17 +44,13 @@ from clawrl.weight_sync import InProcessWeightSync
 
 log = logging.getLogger(__name__)
 
-METHODS_BUILT = ("rl",)
-METHODS_LATER = ("opd", "combine")
+METHODS_BUILT = ("rl", "opd", "combine")
 
 
 def check_method(method: str) -> None:
-    """Only Binary RL is built; the other methods are a later issue and say so in one line."""
-    if method in METHODS_BUILT:
-        return
-    if method in METHODS_LATER:
-        raise ConfigError(f"method={method} is not built yet (a later issue); use method=rl")
-    raise ConfigError(f"unknown method '{method}'; choose one of {', '.join(METHODS_BUILT + METHODS_LATER)}")
+    """Refuse an unknown method in one line."""
+    if method not in METHODS_BUILT:
+        raise ConfigError(f"unknown method '{method}'; choose one of {', '.join(METHODS_BUILT)}")
 
 
 class Learner:
@@ -66,9 +66,11 @@ class Learner:
 
         check_method(cfg.method)
         self.cfg, self.engine, self.store, self.poll_s = cfg, engine, store, poll_s
-        self.buffer = RolloutBuffer(store, cfg.train)
+        # opd: no reward judge; opd and combine: a judged sample waits for its teacher outcome
+        self.buffer = RolloutBuffer(store, cfg.train, rl_judged=cfg.method != "opd", opd_gated=cfg.method != "rl")
         self.judge_engine: Optional[Engine] = None
-        self.worker: Optional[JudgeWorker] = None
+        self.worker: Optional[JudgeWorker] = None  # the reward judge (rl, combine)
+        self.opd = None  # clawrl.orchestration.opd.OpdLearning (opd, combine)
         self.checkpoints = CheckpointStore(store.run_dir, cfg.train)
         self.metrics = MetricsLogger(store.run_dir, cfg.logging, run_config=dataclasses.asdict(cfg))
         self.sync = InProcessWeightSync(engine)
@@ -107,6 +109,13 @@ class Learner:
             # the first checkpoint), they come back under a new number, so versions never repeat.
             served = self.checkpoints.high_water()
             self._resume_step, self._resume_version = 0, served + 1 if served else 0
+        if self.cfg.method != "rl":
+            from clawrl.orchestration.opd import OpdLearning
+
+            self.opd = OpdLearning(self.cfg, self.engine, self.store, self.buffer)
+            self.opd.prepare()
+        if self.cfg.method == "opd":
+            return
         if self.cfg.judge.kind == "prm":
             # The PRM judge scores with its own frozen engine (judge.model.path, or the base policy as
             # it was before training), so the judge never drifts with the weights it judges.
@@ -126,11 +135,15 @@ class Learner:
         self.train_step = self._resume_step
         if self.judge_engine is not None:
             await self.judge_engine.start()
-        self.worker.start()
+        if self.worker is not None:
+            self.worker.start()
+        if self.opd is not None:
+            await self.opd.start()
         self._skip_mark = time.time()
         self._task = asyncio.get_running_loop().create_task(self._train_loop(), name="clawrl-train-loop")
-        log.info("learning: method=%s, %s judge, batches of %d, lr %g; train step %d, serving weight version %d%s",
-                 self.cfg.method, self.cfg.judge.kind, self.cfg.train.batch_size, self.cfg.train.lr,
+        log.info("learning: method=%s, %s, batches of %d, lr %g; train step %d, serving weight version %d%s",
+                 self.cfg.method, "no reward judge" if self.worker is None else f"{self.cfg.judge.kind} judge",
+                 self.cfg.train.batch_size, self.cfg.train.lr,
                  self.trainer.step, self.sync.version,
                  f"; {requeued} sample(s) whose update was lost are ready again" if requeued else "")
 
@@ -150,6 +163,8 @@ class Learner:
             self._task = None
         if self.worker is not None:
             await self.worker.stop()
+        if self.opd is not None:
+            await self.opd.stop()
         if self.judge_engine is not None:
             await self.judge_engine.shutdown()
         self.metrics.close()
@@ -201,6 +216,8 @@ class Learner:
         samples = await asyncio.to_thread(self.buffer.take_batch, self.cfg.train.batch_size, version)
         if not samples:
             return False
+        if self.opd is not None:
+            await asyncio.to_thread(self.opd.attach, samples)
         self.stepping = True
         try:
             # The step runs in a thread: the event loop keeps serving while torch computes.
@@ -248,6 +265,8 @@ class Learner:
         instead of at the next poll. Thread-safe."""
         if self.worker is not None:
             self.worker.notify()
+        if self.opd is not None:
+            self.opd.notify()
 
     def _skips_since_last_step(self) -> list[tuple[int, str]]:
         """(turn, reason) of samples skipped since the previous step's log line."""
@@ -269,8 +288,9 @@ class Learner:
             if not busy:
                 return
             self._wake.set()
-            if self.worker is not None:
-                self.worker.notify()
+            self.notify()
+            if self.opd is not None:
+                self.opd.gate.notify()
             await asyncio.sleep(0.05)
         raise TimeoutError(f"learning did not settle within {timeout_s:g} s")
 
@@ -280,8 +300,8 @@ class Learner:
         """The training section of ``/admin/status`` (synchronous: reads the store)."""
         counts = self.buffer.counts()
         judged = self.store._conn().execute("SELECT COUNT(DISTINCT sample_id) FROM votes").fetchone()[0]
-        return {
-            "enabled": True, "method": self.cfg.method, "judge": self.cfg.judge.kind,
+        out = {
+            "enabled": True, "method": self.cfg.method, "judge": None if self.worker is None else self.cfg.judge.kind,
             "paused": self.paused_reason is not None, "paused_reason": self.paused_reason,
             "train_step": self.train_step,
             "weight_version": self.sync.version, "last_loss": self.last_loss, "last_step_at": self.last_step_at,
@@ -292,6 +312,9 @@ class Learner:
             "judge_votes": {"votes": counts["votes"], "garbage": counts["garbage_votes"],
                             "agreement": counts["judge_agreement"]},
         }
+        if self.opd is not None:
+            out["opd"] = self.opd.status()
+        return out
 
 
 def _turns(samples: list[Sample]) -> str:

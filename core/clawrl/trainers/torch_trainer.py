@@ -23,6 +23,28 @@ One ``train_step`` is one optimizer step on a list of samples:
    samples were split (``clawrl.losses.aggregate``).
 4. A non-finite loss or gradient skips the step (no optimizer step, no new version); after
    ``train.max_bad_steps`` in a row the trainer sets ``paused_reason``.
+
+Advantages by method (``cfg.method``): ``rl`` trains each sample's scalar advantage; ``opd`` and
+``combine`` add on-policy distillation from ``Sample.extra["opd"]`` (the teacher's logprobs of the
+sampled tokens under the hinted prompt, ``clawrl.teacher``):
+
+- ``A_opd = clamp(teacher_logprobs - rollout_logprobs, +-opd.adv_clip)`` per token. The student side is
+  the *rollout* logprobs, not the trainer's recomputed pi_old: both sides then come from the same
+  engine and numerics (bf16 serving vs fp32 training on GPU), so the gap is the hint's effect alone;
+  the rollout/trainer mismatch is the PPO ratio's business (TIS/IcePop), as for RL. The teacher scores
+  at temperature 1, so the gap is exact for turns served at temperature 1 (the OpenAI default).
+- ``combine_advantages``: ``A = w_rl * A_rl + w_opd * A_opd`` (``opd``: 0 and 1; ``combine``:
+  ``combine.w_rl``, ``combine.w_opd``). A sample with a judged reward (``extra["rl_signal"]``, true
+  unless the buffer says otherwise) contributes the RL term, one with teacher logprobs the OPD term,
+  one with both, both; tokens with neither are dropped from the loss mask (no zero-advantage
+  dilution). The result goes through the same PPO clip as RL advantages.
+- With ``opd.topk > 0`` and ``opd.topk_coef > 0``, ``opd.topk_coef`` times a top-k KL between the
+  student and the teacher's top-k distribution (K bins plus the tail; on temperature-1 logits like the
+  teacher's) is added over the OPD samples' tokens, aggregated with the same global denominator.
+  ``opd.topk_kl=reverse`` is ``topk_distill_loss`` (mode-seeking; its gradient on a token is scaled by
+  the student's own probability of it, so it cannot raise a token the student never says);
+  ``forward`` is KL(teacher || student), which pulls the student onto what the teacher would say --
+  measured on the embedded model, it is what teaches a hinted opener such as "Sure!" (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -38,14 +60,26 @@ import torch
 
 from clawrl.config import ClawrlConfig
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
-from clawrl.losses import (PolicyLossConfig, aggregation_denominator, kl_penalty, policy_loss, token_entropy,
-                           token_logprobs)
+from clawrl.losses import (PolicyLossConfig, aggregate, aggregation_denominator, combine_advantages, kl_penalty,
+                           opd_advantages, policy_loss, token_entropy, token_logprobs, topk_distill_loss,
+                           topk_logprobs)
+from clawrl.losses.distill import _with_tail as with_tail  # the K+1-bin layout topk_reverse_kl uses
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
 
 log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's adapter name; the trainer trains exactly one
+TOPK_KL = ("reverse", "forward")
+
+
+def forward_topk_kl(student_topk: torch.Tensor, teacher_topk: torch.Tensor) -> torch.Tensor:
+    """Per-token ``KL(teacher || student)`` over the K teacher bins plus the tail, ``[T, K] -> [T]``:
+    ``sum_b q_b (log q_b - log p_b)``, teacher constant. Its gradient on a bin is ``p_b - q_b``, so it
+    raises a token the teacher prefers even where the student gives it ~0 probability."""
+    q = with_tail(teacher_topk.detach().to(torch.promote_types(student_topk.dtype, torch.float32)))
+    p = with_tail(student_topk.to(q.dtype))
+    return (torch.exp(q) * (q - p)).sum(-1)
 
 
 @dataclass
@@ -62,6 +96,12 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [T]
     rollout_logprobs: torch.Tensor  # [T]
     cu_seqlens: torch.Tensor  # [S + 1] over the T response tokens
+    has_rl: torch.Tensor  # [T] bool: the token's sample has a judged reward
+    has_opd: torch.Tensor  # [T] bool: the token's sample has teacher logprobs
+    teacher_logprobs: torch.Tensor  # [T] NaN where there is no teacher
+    topk_ids: torch.Tensor | None = None  # [T, K] the teacher's top-k ids (opd.topk > 0)
+    topk_logprobs: torch.Tensor | None = None  # [T, K]
+    topk_mask: torch.Tensor | None = None  # [T] 1 where the teacher's top-k is present
 
     @property
     def num_tokens(self) -> int:
@@ -114,8 +154,25 @@ def check_sample(s: Sample, vocab_size: int) -> None:
         raise ValueError(f"sample {s.sample_id}: token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def build_micro_batch(samples: list[Sample], device: torch.device) -> MicroBatch:
+def teacher_signal(s: Sample, topk: int) -> tuple[list[float] | None, list | None, list | None]:
+    """(teacher logprobs, top-k ids, top-k logprobs) from ``extra["opd"]``; Nones where absent. A
+    top-k of another K than ``topk`` (stored under other settings) is not used."""
+    opd = s.extra.get("opd")
+    if not opd:
+        return None, None, None
+    teacher = [float(x) for x in opd["teacher_logprobs"]]
+    if len(teacher) != len(s.response_ids):
+        raise ValueError(f"sample {s.sample_id}: {len(teacher)} teacher logprobs for {len(s.response_ids)} "
+                         "response tokens")
+    ids, lps = opd.get("topk_ids"), opd.get("topk_logprobs")
+    if topk <= 0 or not ids or len(ids) != len(teacher) or any(len(row) != topk for row in ids):
+        return teacher, None, None
+    return teacher, ids, lps
+
+
+def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0) -> MicroBatch:
     ids, pos, seg, rows, targets, temps, adv, mask, rollout, cu = [], [], [], [], [], [], [], [], [], [0]
+    has_rl, has_opd, teacher, top_ids, top_lps, top_mask = [], [], [], [], [], []
     for k, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         start = len(ids)
@@ -129,6 +186,13 @@ def build_micro_batch(samples: list[Sample], device: torch.device) -> MicroBatch
         mask += [1.0] * r if s.loss_mask is None else [float(m) for m in s.loss_mask]
         rollout += [float(x) for x in s.rollout_logprobs]
         cu.append(cu[-1] + r)
+        lps, k_ids, k_lps = teacher_signal(s, topk)
+        has_rl += [bool(s.extra.get("rl_signal", True))] * r
+        has_opd += [lps is not None] * r
+        teacher += lps if lps is not None else [math.nan] * r
+        top_ids += k_ids if k_ids is not None else [[0] * topk] * r
+        top_lps += k_lps if k_lps is not None else [[0.0] * topk] * r
+        top_mask += [float(k_ids is not None)] * r
 
     def t(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -137,6 +201,9 @@ def build_micro_batch(samples: list[Sample], device: torch.device) -> MicroBatch
         input_ids=t([ids], torch.long), position_ids=t([pos], torch.long), segment=t(seg, torch.long),
         logit_rows=t(rows, torch.long), targets=t(targets, torch.long), temperature=t(temps),
         advantages=t(adv), loss_mask=t(mask), rollout_logprobs=t(rollout), cu_seqlens=t(cu, torch.long),
+        has_rl=t(has_rl, torch.bool), has_opd=t(has_opd, torch.bool), teacher_logprobs=t(teacher),
+        topk_ids=t(top_ids, torch.long) if topk > 0 else None, topk_logprobs=t(top_lps) if topk > 0 else None,
+        topk_mask=t(top_mask) if topk > 0 else None,
     )
 
 
@@ -178,6 +245,17 @@ class TorchTrainer(Trainer):
             dual_clip_c=train_cfg.dual_clip_c, kl_coef=0.0 if train_cfg.kl_in_reward else train_cfg.kl_coef,
             kl_estimator=train_cfg.kl_estimator, entropy_coef=train_cfg.entropy_coef, tis_cap=train_cfg.tis_cap,
             icepop_band=band, aggregation=train_cfg.aggregation)
+        # (w_rl, w_opd) per method; see the module docstring
+        self.method_weights = {"rl": (1.0, 0.0), "opd": (0.0, 1.0),
+                               "combine": (cfg.combine.w_rl, cfg.combine.w_opd)}.get(cfg.method)
+        if self.method_weights is None:
+            raise TrainerError(f"unknown method '{cfg.method}'; the torch trainer trains rl, opd and combine")
+        opd_cfg = cfg.opd
+        self.topk = opd_cfg.topk if cfg.method != "rl" and opd_cfg.topk_coef > 0 else 0
+        self.topk_coef, self.opd_clip = opd_cfg.topk_coef, opd_cfg.adv_clip
+        if opd_cfg.topk_kl not in TOPK_KL:
+            raise TrainerError(f"opd.topk_kl must be one of {', '.join(TOPK_KL)}, not {opd_cfg.topk_kl!r}")
+        self.topk_kl = opd_cfg.topk_kl
         self.step = 0
         self.bad_steps = 0
         self.paused_reason = None
@@ -253,9 +331,10 @@ class TorchTrainer(Trainer):
             check_sample(s, self.vocab_size)
         started = time.perf_counter()
         train_cfg, mode = self.train_cfg, self.loss_cfg.aggregation
-        batches = [build_micro_batch([samples[i] for i in g], self.device)
+        batches = [build_micro_batch([samples[i] for i in g], self.device, self.topk)
                    for g in pack(samples, train_cfg.micro_batch_tokens)]
-        metrics = self._sample_metrics(samples, weight_version, batches)
+        opd_metrics = self._apply_method_advantages(batches)
+        metrics = {**self._sample_metrics(samples, weight_version, batches), **opd_metrics}
         denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in batches)
         if denominator <= 0:
             return StepResult(False, metrics, "no_trainable_tokens")
@@ -288,6 +367,14 @@ class TorchTrainer(Trainer):
             loss, m = policy_loss(lp, old, advantages, mb.loss_mask, mb.cu_seqlens, self.loss_cfg,
                                   rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
                                   global_denominator=denominator)
+            if mb.topk_mask is not None and bool((mb.topk_mask * mb.loss_mask).any()):
+                distill_mask = mb.topk_mask * mb.loss_mask
+                # the teacher's top-k is at temperature 1: undo the sample's temperature
+                kl = self._topk_kl(logits * mb.temperature.to(logits.dtype)[:, None], mb.topk_ids, mb.topk_logprobs)
+                loss = loss + self.topk_coef * aggregate(kl, distill_mask, mb.cu_seqlens, mode,
+                                                         global_denominator=denominator)
+                sums["topk_kl_sum"] = sums.get("topk_kl_sum", 0.0) + float((kl.detach() * distill_mask).sum())
+                sums["topk_tokens"] = sums.get("topk_tokens", 0.0) + float(distill_mask.sum())
             if not torch.isfinite(loss):
                 return self._skip(metrics, "nonfinite_loss")
             loss.backward()
@@ -298,8 +385,11 @@ class TorchTrainer(Trainer):
                     sums[k] = sums.get(k, 0.0) + float(v)
                 elif k != "trained_tokens":
                     sums[k] = sums.get(k, 0.0) + float(v) * weight
+        topk_kl, topk_tokens = sums.pop("topk_kl_sum", None), sums.pop("topk_tokens", 0.0)
         for k, v in sums.items():
             metrics[k] = v if k == "pg_loss" else v / max(trained, 1.0)
+        if topk_kl is not None:
+            metrics["topk_kl"] = topk_kl / max(topk_tokens, 1.0)
         metrics["rollout_logprob_gap_mean"] = metrics.pop("rollout_logprob_abs_gap")
         metrics["loss"] = loss_total
 
@@ -315,6 +405,34 @@ class TorchTrainer(Trainer):
         metrics.update(step=self.step, lr=self.optimizer.param_groups[0]["lr"],
                        step_seconds=time.perf_counter() - started)
         return StepResult(True, metrics, None)
+
+    def _topk_kl(self, logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        """Per-token top-k KL in the direction ``opd.topk_kl`` names (module docstring)."""
+        if self.topk_kl == "reverse":
+            return topk_distill_loss(logits, ids, teacher)
+        student = topk_logprobs(logits, ids)
+        return forward_topk_kl(student, teacher)
+
+    def _apply_method_advantages(self, batches: list[MicroBatch]) -> dict:
+        """Per-token advantages for ``cfg.method`` (module docstring), in place: ``advantages``
+        becomes the combined advantage and ``loss_mask`` drops tokens of samples with no signal."""
+        w_rl, w_opd = self.method_weights
+        counts = {"rl": 0, "opd": 0, "both": 0}
+        opd_sum, opd_tokens = 0.0, 0.0
+        for mb in batches:
+            has_rl, has_opd = mb.has_rl & (w_rl > 0), mb.has_opd & (w_opd > 0)
+            a_opd = opd_advantages(mb.teacher_logprobs, mb.rollout_logprobs, mb.loss_mask, clip=self.opd_clip)
+            mb.advantages, trained = combine_advantages(mb.advantages, a_opd, w_rl, w_opd, has_rl, has_opd)
+            mb.loss_mask = mb.loss_mask * trained.to(mb.loss_mask.dtype)
+            opd_mask = mb.loss_mask * has_opd.to(mb.loss_mask.dtype)
+            opd_sum += float((a_opd * opd_mask).sum())
+            opd_tokens += float(opd_mask.sum())
+            first = mb.cu_seqlens[:-1]  # one token per sequence (responses are never empty)
+            for rl, opd in zip(has_rl[first].tolist(), has_opd[first].tolist()):
+                if rl or opd:
+                    counts["both" if rl and opd else "rl" if rl else "opd"] += 1
+        return {"samples_rl_only": counts["rl"], "samples_opd_only": counts["opd"], "samples_both": counts["both"],
+                "opd_advantage_mean": opd_sum / opd_tokens if opd_tokens else 0.0, "opd_tokens": opd_tokens}
 
     def _skip(self, metrics: dict, reason: str) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
