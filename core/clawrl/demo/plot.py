@@ -4,8 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_curves(curves: dict[str, list[tuple[int, float]]], out: Path, title: str) -> Path:
-    """Write a PNG of ``{label: [(interactions, rate), ...]}`` to ``out`` and return it."""
+def plot_curves(curves: dict[str, list[tuple[int, float]]], out: Path, title: str,
+                side_curves: dict[str, list[tuple[int, float]]] | None = None) -> Path:
+    """Write a PNG of ``{label: [(interactions, rate), ...]}`` to ``out`` and return it;
+    ``side_curves`` (e.g. correctness) are drawn dashed, so they read as context, not the result."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; the demo may run without a display
@@ -15,8 +17,11 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], out: Path, title: st
     for label, points in curves.items():
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o", label=label)
+    for label, points in (side_curves or {}).items():
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, linestyle="--", marker=".", alpha=0.7, label=label)
     ax.set_xlabel("interactions with the simulated user")
-    ax.set_ylabel("preference satisfied (held-out questions)")
+    ax.set_ylabel("fraction of held-out questions")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.set_title(title)

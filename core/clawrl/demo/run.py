@@ -28,14 +28,14 @@ DEMO_DEFAULTS = (
     "opd.topk=8",  # opd/combine: the teacher's top-8 per token, so distillation also says what to say instead
     "logging.wandb.mode=disabled",  # a throwaway run: metrics.jsonl and the demo's own table suffice
 )
-SERVING_TEMPERATURE = 1.0  # the trainer recomputes logprobs at temperature 1: sample at it too
+SERVING_TEMPERATURE = 1.0  # the OpenAI default, what a client that sets nothing samples at
 
 
 @dataclass
 class Point:
     interactions: int
     rate: float  # preference satisfied on the held-out questions
-    correct: float  # held-out replies whose last number is the sum (never fed back to the model)
+    correct: float  # held-out replies whose last number is the sum
     weight_version: int
     train_step: int
     online_rate: float | None  # satisfied among the interactions since the previous point
@@ -143,8 +143,9 @@ def write_outputs(points: list[Point], cfg, out_dir: Path) -> tuple[Path, Path, 
         "method": cfg.method, "user": cfg.demo.user, "seed": cfg.seed, "train_enabled": cfg.train.enabled,
         "lr": cfg.train.lr, "batch_size": cfg.train.batch_size, "points": [asdict(p) for p in points]}, indent=2))
     label = f"method={cfg.method} seed={cfg.seed}" + ("" if cfg.train.enabled else " (no training)")
-    png = plot_curves({label: [(p.interactions, p.rate) for p in points]}, out_dir / "preference_rate.png",
-                      f"simulated user '{cfg.demo.user}': preference satisfied")
+    png = plot_curves({f"preference satisfied, {label}": [(p.interactions, p.rate) for p in points]},
+                      out_dir / "preference_rate.png", f"simulated user '{cfg.demo.user}'",
+                      side_curves={"sum correct": [(p.interactions, p.correct) for p in points]})
     return png, out_dir / "results.md", table
 
 
