@@ -1,0 +1,48 @@
+"""OPD and Combine beside serving: corrections become hints, the teacher scores the served tokens,
+a train step uses them, and /admin/status shows hints accepted and rejected (by reason) and the OPD
+samples trained -- while a turn with only a reward (combine) trains RL-only and one with nothing
+under opd is skipped with the hint judge's reason."""
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from test_learner import interaction, make_app, model_dir, status, wait_for  # noqa: F401 (fixture)
+from gateway_support import ServerThread
+
+
+def test_opd_trains_on_teacher_scored_turns_and_reports_hints(model_dir, tmp_path):
+    app, learner, store = make_app(model_dir, tmp_path, "method=opd", "opd.topk=4")
+    with ServerThread(app) as srv:
+        interaction(srv.url, "Hi", "Too long. One line, please.")
+        interaction(srv.url, "Tell me a story about a cat.", "Thanks!")  # no hint: skipped under opd
+        interaction(srv.url, "What is 7+5?", "Just the number, please.")
+        s = wait_for(srv.url, lambda s: s["training"]["train_step"] == 1)
+        t = s["training"]
+        assert t["method"] == "opd" and t["judge"] is None  # no reward judge under opd
+        o = t["opd"]
+        assert o["hints_accepted"] == 2 and o["hints_rejected"] == 1
+        assert o["rejected_by_reason"] == {"no_hindsight": 1} and o["teacher_scored"] == 2
+        assert o["opd_samples_trained"] == 2 and t["samples"]["trained"] == 2
+        assert t["samples"]["skipped_by_reason"]["no_hint:no_hindsight"] == 1
+        assert s["weight_version"] == 1 and httpx.get(srv.url + "/healthz").json()["weight_version"] == 1
+    step = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                if '"kind": "train_step"' in line)
+    assert step["samples_opd_only"] == 2 and step["samples_rl_only"] == 0 and step["opd_tokens"] > 0
+    assert "topk_kl" in step
+
+
+def test_combine_trains_reward_only_hint_only_and_both(model_dir, tmp_path):
+    app, learner, store = make_app(model_dir, tmp_path, "method=combine", "train.batch_size=3")
+    with ServerThread(app) as srv:
+        interaction(srv.url, "Hi", "Thanks!")  # reward only
+        interaction(srv.url, "What is 7+5?", "Just the number, please.")  # hint only (no reward signal)
+        interaction(srv.url, "Tell me a story about a cat.", "No, that's wrong. One line, please.")  # both
+        s = wait_for(srv.url, lambda s: s["training"]["train_step"] == 1)
+        t = s["training"]
+        assert t["judge"] == "rules" and t["samples"]["trained"] == 3
+        assert t["opd"]["opd_samples_trained"] == 2 and t["opd"]["hints_rejected"] == 1
+    step = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                if '"kind": "train_step"' in line)
+    assert (step["samples_rl_only"], step["samples_opd_only"], step["samples_both"]) == (1, 1, 1)
