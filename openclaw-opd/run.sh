@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On-policy distillation (OpenClaw-RL's "opd" method): serve the OpenAI-compatible endpoint, turn
+# each correction into a hint, score the reply's own tokens under the hinted prompt (the teacher),
+# and train every token towards what the hinted teacher prefers.
+#
+#   bash openclaw-opd/run.sh [key=value ...]        e.g. model.path=/models/Qwen3-1.7B train.lr=1e-6
+#
+# Hydra-style overrides pass straight through and win over config.yaml. Multi-node variables
+# (MASTER_ADDR, WORLD_SIZE, ...) are inherited untouched by the exec'd server.
+set -euo pipefail
+DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# Where the embedded model, caches and default runs live (clawrl.paths.data_dir).
+export CLAWRL_HOME="${CLAWRL_HOME:-$HOME/.cache/clawrl}"
+# One BLAS/OpenMP thread pool per core: torch's default oversubscribes small machines when the
+# engine, the teacher's scoring and the trainer run at the same time.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+export MKL_NUM_THREADS="${MKL_NUM_THREADS:-$OMP_NUM_THREADS}"
+# Tokenizers' own thread pool fights the engine for the same cores and warns after fork.
+export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
+
+exec clawrl serve --config "$DIR/config.yaml" method=opd "$@"
