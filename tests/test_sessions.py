@@ -291,6 +291,16 @@ def test_session_done_closes_the_last_turn_without_a_next_state(linker):
     assert turns_of(linker, p0.session_id)[t1]["next_state"] is None
 
 
+def test_the_same_opening_after_a_session_ended_starts_a_new_main_session(linker):
+    """A user who asks the first question of an ended session again is starting over, not
+    regenerating: the new turn is main and trains (its twin was closed by the next state)."""
+    p0, t0 = serve(linker, [user("What is 7+5?")], reply={"response_text": "12"})
+    serve(linker, [user("What is 7+5?"), assistant("12"), user("thanks")], hints=SessionHints(done=True))
+    p2, _ = serve(linker, [user("What is 7+5?")])
+    assert p2.session_id != p0.session_id
+    assert (p2.turn_type, p2.type_rule) == ("main", "default_main")
+
+
 def test_idle_timeout_closes_only_idle_sessions(linker):
     idle, t_idle = serve(linker, [user("old")], now=1000.0)
     busy, t_busy = serve(linker, [user("new")], now=1050.0)

@@ -353,9 +353,11 @@ class SessionLinker:
         def mine(refs):
             return [r for r in refs if session_id is None or r.session_id == session_id]
 
-        # The same history re-sent after its session ended is a new conversation that opens alike.
-        resent = [r for r in mine(self.store.turns_by_request_key(chain[-1]))
-                  if r.close_reason not in ("session_done", "idle_timeout")]
+        # The same history re-sent after its session ended is a new conversation that opens alike
+        # (e.g. the same first question), however the earlier turn itself was closed.
+        resent = mine(self.store.turns_by_request_key(chain[-1]))
+        ended = self.store.ended_sessions([r.session_id for r in resent])
+        resent = [r for r in resent if r.session_id not in ended]
         ends = [i + 1 for i, m in enumerate(history) if m["role"] == "assistant"]
         found = self.store.turns_by_reply_keys([chain[n] for n in ends])
         parent, prefix_len = None, 0

@@ -456,6 +456,17 @@ class TurnStore:
                 )
         return turn_id
 
+    def ended_sessions(self, session_ids: Sequence[str]) -> set[str]:
+        """Those of ``session_ids`` that ended: a turn of theirs was closed by ``X-Session-Done`` or
+        by the idle timeout."""
+        ids = list(set(session_ids))
+        if not ids:
+            return set()
+        rows = self._conn().execute(
+            f"SELECT DISTINCT session_id FROM turns WHERE session_id IN ({','.join('?' * len(ids))}) "
+            "AND close_reason IN ('session_done', 'idle_timeout')", ids)
+        return {r[0] for r in rows}
+
     def close_idle_sessions(self, now: float, idle_timeout_s: float) -> int:
         """Close the open turns of sessions with no request for ``idle_timeout_s``; returns how many."""
         with self._tx() as c:
