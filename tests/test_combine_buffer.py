@@ -94,6 +94,25 @@ def test_combine_rewarded_sample_waits_for_the_teacher_and_trains_rl_only_after_
     assert opd.attach(list(batch.values())) == 1 and "opd" not in batch[slow].extra
 
 
+def test_combine_keeps_a_hinted_turn_whose_reward_judge_failed(store):
+    class Broken:
+        kind = "prm"
+
+        async def judge(self, item):
+            raise RuntimeError("judge engine down")
+
+    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), rl_judged=True, opd_gated=True)
+    opd, gate = OpdStore(store), TeacherGate(buffer, store, wait_s=60.0)
+    turn = chat.conversation(["Too long. One line, please."], opening="Hi")[0]
+    judge_all(buffer, judge=Broken(), retries=0)
+    assert by_turn(buffer)[turn]["state"] == "judged"
+    hint(opd, turn, "Answer in one line.")
+    gate.resolve_now()
+    s = by_turn(buffer)[turn]
+    assert (s["state"], s["rl_signal"], s["opd_state"]) == ("ready", 0, "scored")
+    assert buffer.votes(s["sample_id"])[0]["rationale"].startswith("error: RuntimeError")
+
+
 def test_buffer_refuses_no_signal_source_and_unknown_outcomes(store):
     with pytest.raises(ValueError, match="reward judge, an OPD teacher"):
         RolloutBuffer(store, TrainConfig(), rl_judged=False, opd_gated=False)

@@ -342,13 +342,26 @@ class RolloutBuffer:
 
     def record_failure(self, sample_id: int, reason: str, kind: str, votes: Sequence[tuple[int, Vote]] = (),
                        now: Optional[float] = None) -> None:
-        """The judge never gave a usable verdict: keep its votes, skip the sample with ``reason``."""
+        """The judge never gave a usable verdict: keep its votes, skip the sample with ``reason`` --
+        except under OPD while its hint may still train it: then it waits for the teacher like a
+        verdict without signal (and is skipped as ``no_signal`` if the teacher has nothing)."""
         now = time.time() if now is None else now
         with self.store._tx() as c:
             self._insert_votes(c, sample_id, kind, votes, now)
-            self._finish_skip(c, sample_id, reason, now, kind=kind)
-        log.warning("sample %d skipped: %s after %d attempt(s) (%s)", sample_id, reason,
+            if self.opd_gated and self._opd_state(c, sample_id) in (None, "scored"):
+                # no reward, but its hint may still train it: as a verdict without signal
+                c.execute("UPDATE samples SET state = 'judged', judge_kind = ?, reward = 0, rl_signal = 0, "
+                          "judged_at = ? WHERE sample_id = ? AND state = 'pending'", (kind, now, sample_id))
+                ready = self._promote(c, now)
+                kept = True
+            else:
+                self._finish_skip(c, sample_id, reason, now, kind=kind)
+                kept = False
+        log.warning("sample %d %s: %s after %d attempt(s) (%s)", sample_id,
+                    "has no reward, waits for its teacher" if kept else "skipped", reason,
                     len({a for a, _ in votes}) or 1, "; ".join(v.rationale[:80] for _, v in votes[-3:]))
+        if kept:
+            self._log_ready(ready)
 
     def _finish_skip(self, c, sample_id: int, reason: str, now: float, verdict: Optional[int] = None,
                      kind: Optional[str] = None) -> str:
