@@ -46,3 +46,28 @@ def test_combine_trains_reward_only_hint_only_and_both(model_dir, tmp_path):
     step = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
                 if '"kind": "train_step"' in line)
     assert (step["samples_rl_only"], step["samples_opd_only"], step["samples_both"]) == (1, 1, 1)
+
+
+def test_short_combine_demo_trains_hinted_and_rewarded_interactions(tmp_path):
+    from clawrl.buffer import RolloutBuffer
+    from clawrl.cli import main
+    from clawrl.config import TrainConfig
+    from clawrl.store import TurnStore
+    from gateway_support import build_tiny_model, model_cache_dir
+
+    model = build_tiny_model(model_cache_dir())
+    run_dir = tmp_path / "demo"
+    assert main(["demo", "method=combine", "demo.user=student", f"model.path={model}", "model.name=tiny",
+                 f"run_dir={run_dir}", "demo.interactions=4", "demo.eval_every=4", "demo.eval_prompts=2",
+                 "train.batch_size=2", "engine.threads=1", "logging.level=WARNING"]) == 0
+    results = json.loads((run_dir / "demo" / "results.json").read_text())
+    assert results["method"] == "combine" and [p["train_step"] for p in results["points"]] == [0, 2]
+    store = TurnStore(run_dir, create=False)
+    try:
+        trained = [s for s in RolloutBuffer(store, TrainConfig(), opd_gated=True).samples() if s["state"] == "trained"]
+        assert len(trained) == 4
+        # a correction ("just the number") trains through its hint; each trained turn had a signal
+        assert any(s["opd_state"] == "scored" for s in trained)
+        assert all(s["rl_signal"] or s["opd_state"] == "scored" for s in trained)
+    finally:
+        store.close()
