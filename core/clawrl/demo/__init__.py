@@ -1,4 +1,4 @@
-"""``clawrl demo method=rl``: watch Binary RL learn a simulated user's hidden preference.
+"""``clawrl demo method=rl|opd|combine``: watch a method learn a simulated user's hidden preference.
 
 The demo starts the real gateway and learner in-process, then a simulated user (``users``) chats
 with it through the ``openai`` client: one question, the model's reply, the user's natural
