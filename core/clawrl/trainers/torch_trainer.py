@@ -43,8 +43,9 @@ sampled tokens under the hinted prompt, ``clawrl.teacher``):
   teacher's) is added over the OPD samples' tokens, aggregated with the same global denominator.
   ``opd.topk_kl=reverse`` is ``topk_distill_loss`` (mode-seeking; its gradient on a token is scaled by
   the student's own probability of it, so it cannot raise a token the student never says);
-  ``forward`` is KL(teacher || student), which pulls the student onto what the teacher would say --
-  measured on the embedded model, it is what teaches a hinted opener such as "Sure!" (BENCHMARKS.md).
+  ``forward`` is KL(teacher || student), which pulls the student onto what the teacher would say
+  (on the embedded model it taught the never-sampled opener "Sure!", but only at learning rates
+  that also broke the rest of the reply: BENCHMARKS.md, "Methods compared").
 """
 from __future__ import annotations
 
