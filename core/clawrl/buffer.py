@@ -77,6 +77,7 @@ from clawrl.judges.base import Judge, JudgeInput, Verdict, Vote
 from clawrl.losses import GROUP_MODES, RunningBaseline, group_advantages
 from clawrl.samples import Sample
 from clawrl.store import TurnStore, unpack
+from clawrl.workers import PollingWorker
 
 log = logging.getLogger(__name__)
 
@@ -638,99 +639,36 @@ class RolloutBuffer:
         return [dict(zip(cols, r)) for r in rows]
 
 
-class JudgeWorker:
+class JudgeWorker(PollingWorker):
     """Judges pending samples in the background, ``judge.concurrency`` at a time.
 
     Each call is bounded by ``judge.timeout_s`` and retried up to ``judge.retries`` times on a
     timeout, an exception or an all-garbage verdict; then the sample is skipped with the reason
     (``judge_timeout``, ``judge_error``, ``judge_garbage``). Every attempt's votes are stored.
-    Serving never waits on this: the worker only reads turns that are already stored.
-
-    ``start()`` runs it as an asyncio task that polls the store every ``poll_s`` seconds, or
-    sooner after ``notify()`` (thread-safe; the gateway can call it when a turn closes).
-    ``drain()`` judges everything pending now and returns -- for tests and shutdown.
+    The polling loop (``start``, ``notify``, ``drain``, ``stop``) is ``clawrl.workers.PollingWorker``.
     """
+
+    name = "judge worker"
+    item_label = "sample"
 
     def __init__(self, buffer: RolloutBuffer, judge: Judge, judge_cfg: JudgeConfig, poll_s: float = 1.0):
         if judge_cfg.concurrency < 1:
             raise ValueError("judge.concurrency must be at least 1")
         if judge_cfg.timeout_s <= 0 or judge_cfg.retries < 0:
             raise ValueError("judge.timeout_s must be > 0 and judge.retries >= 0")
-        self.buffer, self.judge, self.judge_cfg, self.poll_s = buffer, judge, judge_cfg, poll_s
-        self._in_flight: dict[int, asyncio.Task] = {}
-        self._wake: Optional[asyncio.Event] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._task: Optional[asyncio.Task] = None
-        self.judged = 0  # samples this worker finished (verdict or skip)
-        self._errors: list[BaseException] = []
+        super().__init__(judge_cfg.concurrency, poll_s)
+        self.buffer, self.judge, self.judge_cfg = buffer, judge, judge_cfg
 
-    def notify(self) -> None:
-        """Wake the worker now (e.g. a turn just got its next state). Safe from any thread."""
-        if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+    def _started_message(self) -> str:
+        return (f"judge worker started: {self.judge.kind} judge, {self.judge_cfg.concurrency} at a time, "
+                f"timeout {self.judge_cfg.timeout_s:.0f} s, {self.judge_cfg.retries} retries")
 
-    def start(self) -> asyncio.Task:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self.run(), name="clawrl-judge-worker")
-        return self._task
-
-    async def stop(self) -> None:
-        """Cancel the loop and in-flight judgements; their samples stay pending for the next run."""
-        tasks = ([self._task] if self._task else []) + list(self._in_flight.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._task = None
-
-    async def run(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        log.info("judge worker started: %s judge, %d at a time, timeout %.0f s, %d retries", self.judge.kind,
-                 self.judge_cfg.concurrency, self.judge_cfg.timeout_s, self.judge_cfg.retries)
-        while True:
-            self._wake.clear()
-            try:
-                await self._fill()
-            except Exception:  # a store hiccup must not end judging; the next poll retries
-                log.exception("judge worker: could not read pending samples")
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
-            except asyncio.TimeoutError:
-                pass
-
-    async def drain(self) -> int:
-        """Judge every sample pending now (and any that become pending meanwhile); returns how many."""
-        self._loop = asyncio.get_running_loop()
-        self._wake = self._wake or asyncio.Event()
-        before = self.judged
-        self._errors.clear()
-        while True:
-            if self._errors:
-                raise self._errors[0]
-            await self._fill()
-            if not self._in_flight:
-                return self.judged - before
-            await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)
-
-    async def _fill(self) -> None:
+    async def _prepare(self) -> None:
         await asyncio.to_thread(self.buffer.sync)
-        free = self.judge_cfg.concurrency - len(self._in_flight)
-        if free <= 0:
-            return
-        items = await asyncio.to_thread(self.buffer.pending_inputs, free, list(self._in_flight))
-        for sid, item in items:
-            task = asyncio.get_running_loop().create_task(self._judge_one(sid, item))
-            self._in_flight[sid] = task
-            task.add_done_callback(lambda t, sid=sid: self._done(sid, t))
 
-    def _done(self, sample_id: int, task: asyncio.Task) -> None:
-        self._in_flight.pop(sample_id, None)
-        if not task.cancelled() and task.exception() is not None:
-            # Recording failed (the store): the sample stays pending and is judged again later.
-            log.error("judging sample %d could not be recorded: %s", sample_id, task.exception())
-            self._errors.append(task.exception())
-        if self._wake is not None:
-            self._wake.set()
+    async def _next_work(self, free: int, busy: list[int]):
+        items = await asyncio.to_thread(self.buffer.pending_inputs, free, busy)
+        return [(sid, self._judge_one(sid, item)) for sid, item in items]
 
     async def _judge_one(self, sample_id: int, item: JudgeInput) -> None:
         tried: list[tuple[int, Vote]] = []
@@ -754,7 +692,7 @@ class JudgeWorker:
                 log.warning("judge answered garbage for sample %d (attempt %d)", sample_id, attempt)
                 continue
             await asyncio.to_thread(self.buffer.record_verdict, sample_id, verdict, attempt, tried)
-            self.judged += 1
+            self.finished += 1
             return
         await asyncio.to_thread(self.buffer.record_failure, sample_id, reason, self.judge.kind, tried)
-        self.judged += 1
+        self.finished += 1

@@ -50,6 +50,7 @@ from clawrl.judges.base import JudgeInput
 from clawrl.judges.hints import HintJudge, HintVerdict
 from clawrl.samples import Sample
 from clawrl.store import TurnStore, pack, unpack
+from clawrl.workers import PollingWorker
 
 log = logging.getLogger(__name__)
 
@@ -290,15 +291,18 @@ class OpdStore:
         return out
 
 
-class TeacherWorker:
+class TeacherWorker(PollingWorker):
     """Hint-judges closed turns and teacher-scores accepted ones in the background (module docstring).
 
-    ``start()`` runs it as an asyncio task polling every ``poll_s`` seconds or after ``notify()``;
-    ``drain()`` processes everything outstanding now and returns (tests, shutdown). A hint judge
+    The polling loop (``start``, ``notify``, ``drain``, ``stop``) is ``clawrl.workers.PollingWorker``,
+    ``opd.concurrency`` turns at a time. A hint judge
     that raises or times out (``timeout_s``) rejects the turn with ``judge_error``/``judge_timeout``;
     a score request that fails records ``failed`` with the reason (``prompt_mismatch``,
     ``context_length``, ``teacher_error``), so one bad turn never blocks the rest.
     """
+
+    name = "OPD teacher worker"
+    item_label = "turn"
 
     def __init__(self, opd: OpdStore, hint_judge: HintJudge, engine: Engine, opd_cfg: OpdConfig,
                  tokenizer=None, temperature: float = 1.0, timeout_s: float = 60.0, busy_wait_s: float = 5.0,
@@ -311,97 +315,32 @@ class TeacherWorker:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("the OPD teacher needs the policy's tokenizer with a chat template")
         self.opd, self.hint_judge, self.engine, self.tokenizer = opd, hint_judge, engine, tokenizer
-        self.teacher, self.topk, self.concurrency = opd_cfg.teacher, opd_cfg.topk, opd_cfg.concurrency
-        self.temperature, self.timeout_s, self.busy_wait_s, self.poll_s = temperature, timeout_s, busy_wait_s, poll_s
-        self._in_flight: dict[int, asyncio.Task] = {}
-        self._wake: Optional[asyncio.Event] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._task: Optional[asyncio.Task] = None
-        self._errors: list[BaseException] = []
-        self.done = 0  # turns this worker finished (hint rejected, scored or failed)
+        super().__init__(opd_cfg.concurrency, poll_s)
+        self.teacher, self.topk = opd_cfg.teacher, opd_cfg.topk
+        self.temperature, self.timeout_s, self.busy_wait_s = temperature, timeout_s, busy_wait_s
 
-    def notify(self) -> None:
-        """Wake the worker now (e.g. a turn just closed). Safe from any thread."""
-        if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+    def _started_message(self) -> str:
+        return (f"OPD teacher worker started: {self.hint_judge.kind} hint judge, teacher {self.teacher}, "
+                f"top-k {self.topk}, {self.concurrency} at a time")
 
-    def start(self) -> asyncio.Task:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self.run(), name="clawrl-opd-teacher")
-        return self._task
-
-    async def stop(self) -> None:
-        """Cancel the loop and in-flight work; unfinished turns are picked up by the next run."""
-        tasks = ([self._task] if self._task else []) + list(self._in_flight.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._task = None
-
-    async def run(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        log.info("OPD teacher worker started: %s hint judge, teacher %s, top-k %d, %d at a time",
-                 self.hint_judge.kind, self.teacher, self.topk, self.concurrency)
-        while True:
-            self._wake.clear()
-            try:
-                await self._fill()
-            except Exception:  # a store hiccup must not end OPD; the next poll retries
-                log.exception("OPD teacher worker: could not read outstanding turns")
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
-            except asyncio.TimeoutError:
-                pass
-
-    async def drain(self) -> int:
-        """Process every outstanding turn (and any that appear meanwhile); returns how many finished."""
-        self._loop = asyncio.get_running_loop()
-        self._wake = self._wake or asyncio.Event()
-        before = self.done
-        self._errors.clear()
-        while True:
-            if self._errors:
-                raise self._errors[0]
-            await self._fill()
-            if not self._in_flight:
-                return self.done - before
-            await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)
-
-    async def _fill(self) -> None:
-        free = self.concurrency - len(self._in_flight)
-        if free <= 0:
-            return
-        busy = list(self._in_flight)
+    async def _next_work(self, free: int, busy: list[int]):
         todo: list = await asyncio.to_thread(self.opd.unscored, free, busy)
         if len(todo) < free:
             todo += await asyncio.to_thread(self.opd.unjudged, free - len(todo), busy)
-        for work in todo:
-            turn_id = work[0] if isinstance(work, tuple) else work.turn_id
-            task = asyncio.get_running_loop().create_task(self._process(work))
-            self._in_flight[turn_id] = task
-            task.add_done_callback(lambda t, tid=turn_id: self._finished(tid, t))
-
-    def _finished(self, turn_id: int, task: asyncio.Task) -> None:
-        self._in_flight.pop(turn_id, None)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("OPD for turn %d could not be recorded: %s", turn_id, task.exception())
-            self._errors.append(task.exception())
-        if self._wake is not None:
-            self._wake.set()
+        return [(work[0] if isinstance(work, tuple) else work.turn_id, self._process(work)) for work in todo]
 
     async def _process(self, work) -> None:
         if isinstance(work, JudgeInput):
             verdict = await self._judge(work)
             recorded = await asyncio.to_thread(self.opd.record_hint, work.turn_id, verdict)
             if not recorded or not verdict.accepted:
-                self.done += 1
+                self.finished += 1
                 return
             turn_id, hint = work.turn_id, verdict.hint
         else:
             turn_id, hint = work
         await self._score(turn_id, hint)
-        self.done += 1
+        self.finished += 1
 
     async def _judge(self, item: JudgeInput) -> HintVerdict:
         try:

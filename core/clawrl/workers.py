@@ -1,0 +1,108 @@
+"""Background workers that pull work from the store and process a bounded number of items at once.
+
+The judge worker (``clawrl.buffer.JudgeWorker``) and the OPD teacher worker
+(``clawrl.teacher.TeacherWorker``) share this loop: poll the store every ``poll_s`` seconds, or
+sooner after ``notify()`` (thread-safe, so the gateway can wake a worker when a turn closes), and
+keep at most ``concurrency`` items in flight. Serving never waits on them: they only read turns
+that are already stored. ``drain()`` processes everything outstanding now and returns, for tests
+and shutdown; a failure to *record* a result is raised from ``drain()`` (the item stays
+outstanding and is retried by the next poll when running in the background).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Optional
+
+log = logging.getLogger(__name__)
+
+
+class PollingWorker:
+    """Subclasses implement ``_next_work`` and may override ``_prepare`` and ``_started_message``."""
+
+    name = "clawrl-worker"  # the asyncio task's name, and the prefix of this worker's log lines
+    item_label = "item"  # how log lines name one unit of work, e.g. "sample"
+
+    def __init__(self, concurrency: int, poll_s: float):
+        self.concurrency, self.poll_s = concurrency, poll_s
+        self._in_flight: dict[int, asyncio.Task] = {}
+        self._wake: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None
+        self._errors: list[BaseException] = []
+        self.finished = 0  # items this worker finished, whatever their outcome
+
+    async def _next_work(self, free: int, busy: list[int]) -> list[tuple[int, Awaitable[None]]]:
+        """Up to ``free`` new items that are not in ``busy``, each as (key, coroutine to run)."""
+        raise NotImplementedError
+
+    async def _prepare(self) -> None:
+        """Runs before every poll, even when no slot is free."""
+
+    def _started_message(self) -> str:
+        return f"{self.name} started"
+
+    def notify(self) -> None:
+        """Wake the worker now. Safe from any thread."""
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def start(self) -> asyncio.Task:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.run(), name=self.name)
+        return self._task
+
+    async def stop(self) -> None:
+        """Cancel the loop and in-flight work; unfinished items are picked up by the next run."""
+        tasks = ([self._task] if self._task else []) + list(self._in_flight.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        log.info(self._started_message())
+        while True:
+            self._wake.clear()
+            try:
+                await self._fill()
+            except Exception:  # a store hiccup must not end the worker; the next poll retries
+                log.exception("%s: could not read outstanding work", self.name)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def drain(self) -> int:
+        """Process every item outstanding now (and any that appear meanwhile); returns how many finished."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = self._wake or asyncio.Event()
+        before = self.finished
+        self._errors.clear()
+        while True:
+            if self._errors:
+                raise self._errors[0]
+            await self._fill()
+            if not self._in_flight:
+                return self.finished - before
+            await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)
+
+    async def _fill(self) -> None:
+        await self._prepare()
+        free = self.concurrency - len(self._in_flight)
+        if free <= 0:
+            return
+        for key, work in await self._next_work(free, list(self._in_flight)):
+            task = asyncio.get_running_loop().create_task(work)
+            self._in_flight[key] = task
+            task.add_done_callback(lambda t, key=key: self._done(key, t))
+
+    def _done(self, key: int, task: asyncio.Task) -> None:
+        self._in_flight.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: %s %d could not be recorded: %s", self.name, self.item_label, key, task.exception())
+            self._errors.append(task.exception())
+        if self._wake is not None:
+            self._wake.set()
