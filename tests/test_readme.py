@@ -23,5 +23,7 @@ def test_readme_install_matches_ci_install():
     assert "pip install -e ." in readme and "-e ." in ci
 
 
-def test_readme_quick_start_is_clawrl_serve():
-    assert "clawrl serve" in _bash_blocks((ROOT / "README.md").read_text())
+def test_readme_main_command_is_the_combine_recipe_and_it_exists():
+    cmds = _bash_blocks((ROOT / "README.md").read_text())
+    assert cmds.index("bash openclaw-combine/run.sh") < cmds.index("python3 -m pytest -q tests")
+    assert (ROOT / "openclaw-combine" / "run.sh").is_file()
