@@ -55,6 +55,18 @@ def test_opd_sample_waits_for_its_teacher_then_trains_with_it_or_is_skipped_with
     assert opd.attach([sample]) == 1 and sample.extra["opd"]["teacher_logprobs"] == [-0.1, -0.2, -0.3]
 
 
+def test_opd_sample_of_a_turn_excluded_after_sampling_is_skipped_not_left_waiting(store):
+    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), rl_judged=False, opd_gated=True)
+    OpdStore(store)  # the teacher's table, as OpdLearning creates it
+    gate = TeacherGate(buffer, store, wait_s=None)
+    turn = chat.conversation(["Shorter, please."], opening="Hi")[0]
+    gate.resolve_now()
+    assert by_turn(buffer)[turn]["state"] == "pending"
+    store.relabel_turn(turn, "excluded", actor="admin")  # the teacher will never hint-judge it now
+    gate.resolve_now()
+    assert (by_turn(buffer)[turn]["state"], by_turn(buffer)[turn]["skip_reason"]) == ("skipped", "excluded")
+
+
 def test_combine_keeps_a_hint_without_reward_and_skips_a_turn_with_neither(store):
     chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), rl_judged=True, opd_gated=True)
     opd, gate = OpdStore(store), TeacherGate(buffer, store, wait_s=60.0)

@@ -294,6 +294,17 @@ class RolloutBuffer:
             self._skip_if_open(sid, reason)
         return out
 
+    def skip_relabelled_pending(self) -> int:
+        """Skip pending samples whose turn was relabelled (excluded, side) since they were created;
+        without a reward judge (``method=opd``) nothing else looks at them, and no teacher will."""
+        rows = self.store._conn().execute(
+            "SELECT s.sample_id, t.turn_type, t.trainable, t.untrainable_reason, t.close_reason FROM samples s "
+            "JOIN turns t ON t.turn_id = s.turn_id WHERE s.state = 'pending' AND "
+            "(t.turn_type != 'main' OR t.trainable = 0)").fetchall()
+        for sid, turn_type, trainable, reason, close_reason in rows:
+            self._skip_if_open(sid, turn_skip_reason(turn_type, trainable, reason, close_reason))
+        return len(rows)
+
     def _skip_if_open(self, sample_id: int, reason: str) -> None:
         with self.store._tx() as c:
             n = c.execute("UPDATE samples SET state = 'skipped', skip_reason = ?, done_at = ? "

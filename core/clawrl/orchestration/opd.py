@@ -50,8 +50,9 @@ class TeacherGate:
         """Resolve every sample whose teacher outcome is in (and time out waiting rewarded samples
         under combine). Synchronous; returns how many samples were resolved."""
         now = time.time() if now is None else now
-        if not self.buffer.rl_judged:
-            self.buffer.sync()  # no reward judge creates the samples under opd
+        if not self.buffer.rl_judged:  # no reward judge creates (or relabel-skips) the samples under opd
+            self.buffer.sync()
+            self.buffer.skip_relabelled_pending()
         rows = self.store._conn().execute(
             "SELECT s.sample_id, h.state, h.reason FROM samples s JOIN opd_hints h ON h.turn_id = s.turn_id "
             "WHERE s.opd_state IS NULL AND s.state IN ('pending', 'judged') "
