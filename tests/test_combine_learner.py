@@ -71,3 +71,22 @@ def test_short_combine_demo_trains_hinted_and_rewarded_interactions(tmp_path):
         assert all(s["rl_signal"] or s["opd_state"] == "scored" for s in trained)
     finally:
         store.close()
+
+
+def test_frozen_teacher_engine_scores_when_opd_teacher_is_a_path(model_dir, tmp_path):
+    app, learner, store = make_app(model_dir, tmp_path, "method=opd", f"opd.teacher={model_dir}")
+    assert learner.opd.teacher_engine is not None and learner.opd.teacher_engine is not learner.engine
+    with ServerThread(app) as srv:
+        interaction(srv.url, "Hi", "Too long. One line, please.")
+        interaction(srv.url, "What is 7+5?", "Just the number, please.")
+        s = wait_for(srv.url, lambda s: s["training"]["train_step"] == 1)
+        assert s["training"]["opd"]["teacher"] == str(model_dir) and s["training"]["opd"]["opd_samples_trained"] == 2
+    rows = store._conn().execute("SELECT teacher FROM opd_hints WHERE state = 'scored'").fetchall()
+    assert rows == [(str(model_dir),)] * 2
+
+
+def test_model_hint_judge_votes_with_a_frozen_engine_not_the_served_policy(model_dir, tmp_path):
+    app, learner, store = make_app(model_dir, tmp_path, "method=combine", "opd.hint_judge=model", "opd.votes=1")
+    assert learner.opd.judge_engine is not None and learner.opd.judge_engine is not learner.engine
+    assert learner.opd.worker.hint_judge.kind == "model" and learner.opd.worker.hint_judge.votes == 1
+    assert learner.worker is not None  # combine keeps the reward judge
