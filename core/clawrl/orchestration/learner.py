@@ -289,8 +289,6 @@ class Learner:
                 return
             self._wake.set()
             self.notify()
-            if self.opd is not None:
-                self.opd.gate.notify()
             await asyncio.sleep(0.05)
         raise TimeoutError(f"learning did not settle within {timeout_s:g} s")
 

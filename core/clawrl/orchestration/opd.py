@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -32,19 +31,23 @@ from clawrl.engines.base import Engine
 from clawrl.samples import Sample
 from clawrl.store import TurnStore
 from clawrl.teacher import OpdStore, TeacherWorker
+from clawrl.workers import PollingWorker
 
 log = logging.getLogger(__name__)
 
 OPD_METHODS = ("opd", "combine")
 
 
-class TeacherGate:
-    """Resolves samples from the ``opd_hints`` table (module docstring); polls every ``poll_s``."""
+class TeacherGate(PollingWorker):
+    """Resolves samples from the ``opd_hints`` table (module docstring) on every poll (``poll_s``,
+    or sooner after ``notify()``); it has no items of its own in flight."""
+
+    name = "clawrl-teacher-gate"
+    item_label = "sample"
 
     def __init__(self, buffer: RolloutBuffer, store: TurnStore, wait_s: Optional[float], poll_s: float = 0.5):
-        self.buffer, self.store, self.wait_s, self.poll_s = buffer, store, wait_s, poll_s
-        self._wake = asyncio.Event()
-        self._task: Optional[asyncio.Task] = None
+        super().__init__(concurrency=1, poll_s=poll_s)
+        self.buffer, self.store, self.wait_s = buffer, store, wait_s
 
     def resolve_now(self, now: Optional[float] = None) -> int:
         """Resolve every sample whose teacher outcome is in (and time out waiting rewarded samples
@@ -74,27 +77,15 @@ class TeacherGate:
                 self.buffer.resolve_opd(sid, "timeout", now=now)
         return len(rows) + len(timed_out)
 
-    def notify(self) -> None:
-        self._wake.set()
+    async def _prepare(self) -> None:
+        await asyncio.to_thread(self.resolve_now)
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="clawrl-teacher-gate")
+    async def _next_work(self, free: int, busy: list[int]) -> list:
+        return []
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                await asyncio.to_thread(self.resolve_now)
-            except Exception:  # a store hiccup must not end OPD; the next poll retries
-                log.exception("teacher gate: could not resolve samples")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+    def _started_message(self) -> str:
+        wait = "no timeout" if self.wait_s is None else f"rewarded samples train RL-only after {self.wait_s:g} s"
+        return f"OPD teacher gate started: samples wait for their teacher outcome ({wait})"
 
 
 class OpdLearning:
@@ -154,10 +145,11 @@ class OpdLearning:
             await e.shutdown()
 
     def notify(self) -> None:
-        """A turn may have closed: hint-judge it now rather than at the next poll. Thread-safe for
-        the worker; the gate is woken from the event loop on its next poll."""
+        """A turn may have closed: hint-judge it and resolve samples now rather than at the next
+        poll. Thread-safe."""
         if self.worker is not None:
             self.worker.notify()
+        self.gate.notify()
 
     def attach(self, samples: list[Sample]) -> int:
         """``sample.extra["opd"]`` for every scored sample of a batch (synchronous, reads the store)."""
