@@ -180,3 +180,15 @@ def test_combine_accepts_per_token_inputs_and_refuses_bad_shapes_and_weights():
         combine_advantages(torch.tensor([1.0]), torch.zeros(3), 1.0, 1.0, torch.tensor([1]), torch.ones(3))
     with pytest.raises(ValueError, match="w_opd"):
         combine_advantages(torch.zeros(2), torch.zeros(2), 1.0, -1.0, torch.ones(2), torch.ones(2))
+
+
+def test_forward_topk_kl_matches_a_hand_computation():
+    """Teacher bins [0.5, tail 0.5], student [0.25, tail 0.75]:
+    0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75) = 0.346574 - 0.202733 = 0.143841."""
+    from clawrl.losses import topk_forward_kl
+
+    student = torch.tensor([[math.log(0.25)]], requires_grad=True)
+    kl = topk_forward_kl(student, torch.tensor([[math.log(0.5)]]))
+    assert kl.item() == pytest.approx(0.143841, abs=1e-6)
+    kl.sum().backward()
+    assert student.grad.item() < 0  # descending raises the token the teacher prefers

@@ -8,7 +8,7 @@ from clawrl.losses.advantages import GROUP_MODES, RunningBaseline, baseline_adva
 from clawrl.losses.aggregate import (AGGREGATION_MODES, aggregate, aggregation_denominator, masked_mean,
                                      token_weights)
 from clawrl.losses.correction import icepop_mask, mismatch_weights, tis_weights
-from clawrl.losses.distill import topk_distill_loss, topk_logprobs, topk_reverse_kl
+from clawrl.losses.distill import topk_distill_loss, topk_forward_kl, topk_logprobs, topk_reverse_kl
 from clawrl.losses.kl import KL_ESTIMATORS, kl_penalty
 from clawrl.losses.logits import token_entropy, token_logprobs
 from clawrl.losses.opd import combine_advantages, opd_advantages
@@ -21,6 +21,6 @@ __all__ = [
     "aggregate", "aggregation_denominator", "baseline_advantage", "broadcast_to_tokens", "check_cu_seqlens",
     "combine_advantages", "entropy_bonus", "group_advantages", "icepop_mask", "kl_penalty", "masked_mean",
     "mismatch_weights", "opd_advantages", "per_seq_sum", "policy_loss", "ppo_clip_loss", "seq_lengths",
-    "tis_weights", "token_entropy", "token_logprobs", "token_weights", "topk_distill_loss", "topk_logprobs",
-    "topk_reverse_kl",
+    "tis_weights", "token_entropy", "token_logprobs", "token_weights", "topk_distill_loss",
+    "topk_forward_kl", "topk_logprobs", "topk_reverse_kl",
 ]

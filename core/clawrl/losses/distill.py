@@ -90,6 +90,17 @@ def _with_tail(topk: torch.Tensor) -> torch.Tensor:
     return torch.cat([topk, tail.unsqueeze(-1)], dim=-1)
 
 
+def topk_forward_kl(student_topk_logprobs: torch.Tensor, teacher_topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token ``KL(teacher || student)`` over the K teacher bins plus the tail, ``[T, K] -> [T]``:
+    ``sum_b q_b (log q_b - log p_b)``, teacher constant. Its gradient on a bin is ``p_b - q_b``, so
+    it raises a token the teacher prefers even where the student gives it ~0 probability (which the
+    mode-seeking reverse KL cannot)."""
+    dtype = torch.promote_types(student_topk_logprobs.dtype, torch.float32)
+    q = _with_tail(teacher_topk_logprobs.detach().to(dtype))
+    p = _with_tail(student_topk_logprobs.to(dtype))
+    return (torch.exp(q) * (q - p)).sum(-1)
+
+
 def topk_reverse_kl(student_topk_logprobs: torch.Tensor, teacher_topk_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token ``KL(student || teacher)`` over K+1 bins (the k ids and the tail), ``[T, K] -> [T]``.
 

@@ -63,8 +63,7 @@ from clawrl.config import ClawrlConfig
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
 from clawrl.losses import (PolicyLossConfig, aggregate, aggregation_denominator, combine_advantages, kl_penalty,
                            opd_advantages, policy_loss, token_entropy, token_logprobs, topk_distill_loss,
-                           topk_logprobs)
-from clawrl.losses.distill import _with_tail as with_tail  # the K+1-bin layout topk_reverse_kl uses
+                           topk_forward_kl, topk_logprobs)
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
 
@@ -72,15 +71,6 @@ log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's adapter name; the trainer trains exactly one
 TOPK_KL = ("reverse", "forward")
-
-
-def forward_topk_kl(student_topk: torch.Tensor, teacher_topk: torch.Tensor) -> torch.Tensor:
-    """Per-token ``KL(teacher || student)`` over the K teacher bins plus the tail, ``[T, K] -> [T]``:
-    ``sum_b q_b (log q_b - log p_b)``, teacher constant. Its gradient on a bin is ``p_b - q_b``, so it
-    raises a token the teacher prefers even where the student gives it ~0 probability."""
-    q = with_tail(teacher_topk.detach().to(torch.promote_types(student_topk.dtype, torch.float32)))
-    p = with_tail(student_topk.to(q.dtype))
-    return (torch.exp(q) * (q - p)).sum(-1)
 
 
 @dataclass
@@ -412,7 +402,7 @@ class TorchTrainer(Trainer):
         if self.topk_kl == "reverse":
             return topk_distill_loss(logits, ids, teacher)
         student = topk_logprobs(logits, ids)
-        return forward_topk_kl(student, teacher)
+        return topk_forward_kl(student, teacher)
 
     def _apply_method_advantages(self, batches: list[MicroBatch]) -> dict:
         """Per-token advantages for ``cfg.method`` (module docstring), in place: ``advantages``
