@@ -37,15 +37,14 @@ Two judges:
 from __future__ import annotations
 
 import abc
-import asyncio
 import logging
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from clawrl.engines.base import Engine, SamplingParams
+from clawrl.engines.base import Engine
 from clawrl.judges.base import JudgeError, JudgeInput, message_text
-from clawrl.judges.prm import _clip, _render_next_state, _render_reply
+from clawrl.judges.model_votes import ModelVoter
 from clawrl.judges.rules import _OPENCLAW_NOISE, _TRANSIENT, user_feedback
 
 if TYPE_CHECKING:
@@ -391,53 +390,20 @@ def parse_hint_vote(text: str) -> HintVote:
     return HintVote(True, hint, text.strip()[:1000], text)
 
 
-class ModelHintJudge(HintJudge):
+class ModelHintJudge(ModelVoter, HintJudge):
     """``votes`` sampled judgements from ``engine``, combined by ``choose_hint``."""
 
     kind = "model"
 
+    system_prompt, instruction = SYSTEM_PROMPT, INSTRUCTION
+    votes_key, role = "opd.votes", "model hint judge"
+
     def __init__(self, engine: Engine, tokenizer=None, votes: int = 3, temperature: float = 0.8,
                  max_new_tokens: int = 160, seed: int = 0, section_chars: int = 4000):
-        tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise JudgeError("the model hint judge needs its engine's tokenizer with a chat template")
-        if votes < 1:
-            raise JudgeError(f"opd.votes must be at least 1, not {votes}")
-        self.engine, self.tokenizer = engine, tokenizer
-        self.votes, self.temperature, self.max_new_tokens = votes, temperature, max_new_tokens
-        self.seed, self.section_chars = seed, section_chars
-        self.attempts = 0
-
-    def messages(self, item: JudgeInput, limit: int) -> list[dict]:
-        body = (f"## User request\n{_clip(item.request or '(no user message)', limit)}\n\n"
-                f"## Assistant reply\n{_render_reply(item, limit)}\n\n"
-                f"## Next state\n{_render_next_state(item, limit)}\n\n{INSTRUCTION}")
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": body}]
-
-    def prompt_ids(self, item: JudgeInput) -> list[int]:
-        """The rendered prompt, sections halved until it fits the judge's context."""
-        budget = self.engine.model_info().max_context - self.max_new_tokens
-        limit = self.section_chars
-        while True:
-            text = self.tokenizer.apply_chat_template(self.messages(item, limit), add_generation_prompt=True,
-                                                      tokenize=False)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) <= budget:
-                return ids
-            if limit <= 64:
-                raise JudgeError(f"the hint judge prompt needs {len(ids)} tokens even with sections cut to "
-                                 f"{limit} characters; the judge's context leaves {budget}")
-            limit //= 2
+        super().__init__(engine, tokenizer, votes, temperature, max_new_tokens, seed, section_chars)
 
     async def extract(self, item: JudgeInput) -> HintVerdict:
-        ids = self.prompt_ids(item)
-        self.attempts += 1
-        base = self.seed + 1_000_003 * item.turn_id + 10_007 * self.attempts
-        results = await asyncio.gather(*(
-            self.engine.generate(ids, SamplingParams(max_new_tokens=self.max_new_tokens,
-                                                     temperature=self.temperature, seed=base + i))
-            for i in range(self.votes)))
-        votes = [parse_hint_vote(self.tokenizer.decode(r.token_ids, skip_special_tokens=True)) for r in results]
+        votes = [parse_hint_vote(text) for text in await self.sample_votes(item)]
         return choose_hint(votes, self.kind)
 
 

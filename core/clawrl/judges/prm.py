@@ -17,14 +17,13 @@ chat template, so any chat model can judge.
 """
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import re
 from typing import Optional
 
-from clawrl.engines.base import Engine, SamplingParams
-from clawrl.judges.base import Judge, JudgeError, JudgeInput, Verdict, Vote, majority, message_text
+from clawrl.engines.base import Engine
+from clawrl.judges.base import Judge, JudgeInput, Verdict, Vote, majority
+from clawrl.judges.model_votes import ModelVoter
 
 log = logging.getLogger(__name__)
 
@@ -54,81 +53,21 @@ def parse_score(text: str) -> Optional[int]:
     return -1 if m.group(1) == "-" else 1
 
 
-def _render_reply(item: JudgeInput, limit: int) -> str:
-    parts = [item.reply] if item.reply else []
-    for call in item.tool_calls or ():
-        fn = call.get("function", call) if isinstance(call, dict) else {}
-        args = fn.get("arguments")
-        parts.append(f"[tool call] {fn.get('name')}({args if isinstance(args, str) else json.dumps(args)})")
-    return _clip("\n".join(parts) or "(empty reply)", limit)
-
-
-def _render_next_state(item: JudgeInput, limit: int) -> str:
-    lines = [f"[{m.get('role', '?')}] {message_text(m)}" for m in item.next_state]
-    return _clip("\n".join(lines) or "(nothing)", limit)
-
-
-def _clip(text: str, limit: int) -> str:
-    """Keep the head and the tail of an over-long section: both usually matter (a command and its exit)."""
-    if len(text) <= limit:
-        return text
-    half = max(limit // 2, 1)
-    return text[:half] + f"\n... [{len(text) - 2 * half} characters cut] ...\n" + text[-half:]
-
-
-class PRMJudge(Judge):
+class PRMJudge(ModelVoter, Judge):
     """Majority vote of ``votes`` sampled judgements from ``engine`` (see the module docstring)."""
 
     kind = "prm"
 
+    system_prompt, instruction = SYSTEM_PROMPT, INSTRUCTION
+    votes_key, role = "judge.votes", "PRM judge"
+
     def __init__(self, engine: Engine, tokenizer=None, votes: int = 3, temperature: float = 0.8,
                  max_new_tokens: int = 256, seed: int = 0, section_chars: int = 6000):
-        tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise JudgeError("the PRM judge needs its engine's tokenizer with a chat template")
-        if votes < 1:
-            raise JudgeError(f"judge.votes must be at least 1, not {votes}")
-        self.engine, self.tokenizer = engine, tokenizer
-        self.votes, self.temperature, self.max_new_tokens = votes, temperature, max_new_tokens
-        self.seed, self.section_chars = seed, section_chars
-        self.attempts = 0  # distinct seeds for a retried turn
-
-    def messages(self, item: JudgeInput, limit: Optional[int] = None) -> list[dict]:
-        limit = limit or self.section_chars
-        body = (
-            f"## User request\n{_clip(item.request or '(no user message)', limit)}\n\n"
-            f"## Assistant reply\n{_render_reply(item, limit)}\n\n"
-            f"## Next state\n{_render_next_state(item, limit)}\n\n{INSTRUCTION}"
-        )
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": body}]
-
-    def prompt_ids(self, item: JudgeInput) -> list[int]:
-        """The rendered judge prompt, sections shortened until it fits the judge's context."""
-        budget = self.engine.model_info().max_context - self.max_new_tokens
-        limit = self.section_chars
-        while True:
-            text = self.tokenizer.apply_chat_template(self.messages(item, limit), add_generation_prompt=True,
-                                                      tokenize=False)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) <= budget:
-                return ids
-            if limit <= 64:
-                raise JudgeError(f"the judge prompt needs {len(ids)} tokens even with sections cut to {limit} "
-                                 f"characters; the judge's context leaves {budget}")
-            limit //= 2
+        super().__init__(engine, tokenizer, votes, temperature, max_new_tokens, seed, section_chars)
 
     async def judge(self, item: JudgeInput) -> Verdict:
-        ids = self.prompt_ids(item)
-        self.attempts += 1
-        base = self.seed + 1_000_003 * item.turn_id + 10_007 * self.attempts
-        results = await asyncio.gather(*(
-            self.engine.generate(ids, SamplingParams(max_new_tokens=self.max_new_tokens,
-                                                     temperature=self.temperature, seed=base + i))
-            for i in range(self.votes)
-        ))
         votes = []
-        for r in results:
-            text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        for text in await self.sample_votes(item):
             score = parse_score(text)
             rationale = text.strip() if score is not None else "garbage: no final 'Score: +1|-1|0' line"
             votes.append(Vote(score, rationale[:1000], text))
