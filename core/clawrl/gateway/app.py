@@ -34,7 +34,7 @@ from clawrl.engines.base import ContextLengthExceeded, Engine, EngineError, Samp
 from clawrl.gateway.auth import key_rings
 from clawrl.gateway.protocol import ApiError, ChatRequest, bad_request, parse_chat_request, parse_json_body
 from clawrl.gateway.render import RenderedPrompt, context_error, render_prompt
-from clawrl.gateway.streaming import DONE, ChunkMaker, SSEResponse, error_event, usage
+from clawrl.gateway.streaming import DONE, ChunkMaker, SSEResponse, error_event, until_disconnect, usage
 from clawrl.gateway.text import ChoiceDecoder, logprob_entry
 from clawrl.gateway.toolcalls import Content, ToolCall
 from clawrl.sessions import InvalidTurnType, SessionHints, SessionInputError, SessionLinker, TurnPlan
@@ -283,7 +283,7 @@ class Turn:
 
     async def completion(self, receive) -> dict | None:
         """The ``chat.completion`` object, or None if the client disconnected first."""
-        gone = await _until_disconnect(receive, lambda: self.execute(_ignore_events))
+        gone = await until_disconnect(receive, lambda: self.execute(_ignore_events))
         if gone:
             return None
         choices = []
@@ -343,34 +343,6 @@ class Turn:
 
 async def _ignore_events(c, events, chunk) -> None:
     return None
-
-
-async def _until_disconnect(receive, work) -> bool:
-    """Run ``work()`` unless the client disconnects first (then it is cancelled); True if it did.
-    An exception from ``work`` is re-raised as itself, not wrapped in an exception group."""
-    gone, error = False, None
-    async with anyio.create_task_group() as tg:
-        async def run() -> None:
-            nonlocal error
-            try:
-                await work()
-            except Exception as e:
-                error = e
-            finally:
-                tg.cancel_scope.cancel()
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(run)
-        tg.start_soon(watch)
-    if error is not None:
-        raise error
-    return gone
 
 
 def _as_api_error(e: BaseException) -> ApiError:

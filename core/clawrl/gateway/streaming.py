@@ -77,6 +77,34 @@ def error_event(error_body: dict) -> bytes:
 Emit = Callable[[bytes], Awaitable[None]]
 
 
+async def until_disconnect(receive, work) -> bool:
+    """Run ``work()`` unless the client disconnects first (then it is cancelled); True if it did.
+    An exception from ``work`` is re-raised as itself, not wrapped in an exception group."""
+    gone, error = False, None
+    async with anyio.create_task_group() as tg:
+        async def run() -> None:
+            nonlocal error
+            try:
+                await work()
+            except Exception as e:
+                error = e
+            finally:
+                tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run)
+        tg.start_soon(watch)
+    if error is not None:
+        raise error
+    return gone
+
+
 class SSEResponse(Response):
     """Runs ``produce(emit)`` while listening for ``http.disconnect``.
 
@@ -95,29 +123,18 @@ class SSEResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        gone = False
+        closed = False
 
         async def emit(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        async with anyio.create_task_group() as tg:
-            async def run() -> None:
-                nonlocal gone
-                try:
-                    await self.produce(emit)
-                except OSError:  # a write found the socket closed before the disconnect message came
-                    gone = True
-                finally:
-                    tg.cancel_scope.cancel()
+        async def produce() -> None:
+            nonlocal closed
+            try:
+                await self.produce(emit)
+            except OSError:  # a write found the socket closed before the disconnect message came
+                closed = True
 
-            async def watch() -> None:
-                nonlocal gone
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                gone = True
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(run)
-            tg.start_soon(watch)
+        gone = await until_disconnect(receive, produce) or closed
         if not gone:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
