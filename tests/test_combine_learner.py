@@ -81,7 +81,7 @@ def test_frozen_teacher_engine_scores_when_opd_teacher_is_a_path(model_dir, tmp_
         interaction(srv.url, "What is 7+5?", "Just the number, please.")
         s = wait_for(srv.url, lambda s: s["training"]["train_step"] == 1)
         assert s["training"]["opd"]["teacher"] == str(model_dir) and s["training"]["opd"]["opd_samples_trained"] == 2
-    rows = store._conn().execute("SELECT teacher FROM opd_hints WHERE state = 'scored'").fetchall()
+    rows = store.connection().execute("SELECT teacher FROM opd_hints WHERE state = 'scored'").fetchall()
     assert rows == [(str(model_dir),)] * 2
 
 

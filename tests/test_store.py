@@ -86,7 +86,7 @@ def test_token_arrays_round_trip_exactly(tmp_path):
 def test_store_is_wal_with_full_sync_under_run_dir(tmp_path):
     store = TurnStore(tmp_path / "run")
     assert store.path == tmp_path / "run" / "clawrl.sqlite"
-    conn = store._conn()
+    conn = store.connection()
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     store.close()

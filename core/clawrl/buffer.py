@@ -180,7 +180,7 @@ class RolloutBuffer:
     # --- schema --------------------------------------------------------------------------------
 
     def _migrate(self) -> None:
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             row = c.execute("SELECT value FROM meta WHERE key = ?", (_META_VERSION,)).fetchone()
             version = int(row[0]) if row else 0
             if version > len(_SCHEMA):
@@ -215,7 +215,7 @@ class RolloutBuffer:
         if not self._sync_needed():
             return 0
         skipped = []
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             scan_from = int(self._meta(c, _META_SCAN) or 0)
             rows = c.execute(
                 "SELECT turn_id, turn_type, trainable, untrainable_reason, close_reason, prompt_ids, request_key "
@@ -251,7 +251,7 @@ class RolloutBuffer:
     def _sync_needed(self) -> bool:
         """Whether a closed turn lacks its sample or a judged sample waits: a read, so idle polling
         never takes the write lock the gateway records turns under."""
-        c = self.store._conn()
+        c = self.store.connection()
         scan_from = int(self._meta(c, _META_SCAN) or 0)
         return c.execute(
             "SELECT EXISTS (SELECT 1 FROM turns t WHERE turn_id >= ? AND close_reason IS NOT NULL "
@@ -260,9 +260,20 @@ class RolloutBuffer:
             (scan_from,),
         ).fetchone()[0] == 1
 
+    def skipped_between(self, start: float, end: float) -> list[tuple[int, str]]:
+        """(turn, reason) of samples skipped in the time window (start, end], by turn."""
+        rows = self.store.connection().execute(
+            "SELECT turn_id, skip_reason FROM samples WHERE state = 'skipped' AND done_at > ? AND done_at <= ? "
+            "ORDER BY turn_id", (start, end))
+        return [(t, why) for t, why in rows]
+
+    def judged_count(self) -> int:
+        """Samples that have at least one stored vote."""
+        return self.store.connection().execute("SELECT COUNT(DISTINCT sample_id) FROM votes").fetchone()[0]
+
     def ready_count(self) -> int:
         """How many samples wait for the trainer (it starts a step at ``train.batch_size``)."""
-        return self.store._conn().execute("SELECT COUNT(*) FROM samples WHERE state = 'ready'").fetchone()[0]
+        return self.store.connection().execute("SELECT COUNT(*) FROM samples WHERE state = 'ready'").fetchone()[0]
 
     # --- judging -------------------------------------------------------------------------------
 
@@ -271,7 +282,7 @@ class RolloutBuffer:
         needs. A sample whose turn was relabelled (excluded, side) since is skipped here instead."""
         exclude = set(exclude)
         out, relabelled = [], []
-        rows = self.store._conn().execute(
+        rows = self.store.connection().execute(
             "SELECT s.sample_id, t.turn_id, t.turn_type, t.trainable, t.untrainable_reason, t.close_reason, "
             "t.messages, t.history_len, t.response_text, t.tool_calls, t.next_state FROM samples s "
             "JOIN turns t ON t.turn_id = s.turn_id "
@@ -297,7 +308,7 @@ class RolloutBuffer:
     def skip_relabelled_pending(self) -> int:
         """Skip pending samples whose turn was relabelled (excluded, side) since they were created;
         without a reward judge (``method=opd``) nothing else looks at them, and no teacher will."""
-        rows = self.store._conn().execute(
+        rows = self.store.connection().execute(
             "SELECT s.sample_id, t.turn_type, t.trainable, t.untrainable_reason, t.close_reason FROM samples s "
             "JOIN turns t ON t.turn_id = s.turn_id WHERE s.state = 'pending' AND "
             "(t.turn_type != 'main' OR t.trainable = 0)").fetchall()
@@ -306,7 +317,7 @@ class RolloutBuffer:
         return len(rows)
 
     def _skip_if_open(self, sample_id: int, reason: str) -> None:
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             n = c.execute("UPDATE samples SET state = 'skipped', skip_reason = ?, done_at = ? "
                           "WHERE sample_id = ? AND state IN ('pending', 'judged', 'ready')",
                           (reason, time.time(), sample_id)).rowcount
@@ -328,7 +339,7 @@ class RolloutBuffer:
         failed attempts. Returns the sample's new state (ready, judged, or skipped as no_signal)."""
         now = time.time() if now is None else now
         all_votes = list(earlier) + [(attempt, v) for v in verdict.votes]
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             self._insert_votes(c, sample_id, verdict.kind, all_votes, now)
             # under OPD a verdict without signal waits for the teacher, unless the teacher has nothing
             hint_may_train = self.opd_gated and self._opd_state(c, sample_id) in (None, "scored")
@@ -358,7 +369,7 @@ class RolloutBuffer:
         except under OPD while its hint may still train it: then it waits for the teacher like a
         verdict without signal (and is skipped as ``no_signal`` if the teacher has nothing)."""
         now = time.time() if now is None else now
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             self._insert_votes(c, sample_id, kind, votes, now)
             if self.opd_gated and self._opd_state(c, sample_id) in (None, "scored"):
                 # no reward, but its hint may still train it: as a verdict without signal
@@ -402,7 +413,7 @@ class RolloutBuffer:
             raise ValueError("this buffer does not wait for OPD (opd_gated=False)")
         now = time.time() if now is None else now
         ready: list = []
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             row = c.execute("SELECT state, rl_signal, opd_state FROM samples WHERE sample_id = ?",
                             (sample_id,)).fetchone()
             if row is None:
@@ -505,7 +516,7 @@ class RolloutBuffer:
         now = time.time()
         out: list[Sample] = []
         skipped: list[tuple[int, int, str]] = []
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             last = 0
             while len(out) < n:
                 rows = c.execute(
@@ -551,7 +562,7 @@ class RolloutBuffer:
         """Consumed samples were trained in ``train_step``, producing ``weight_version``. All or none."""
         ids = list(dict.fromkeys(sample_ids))
         now = time.time()
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             states = self._states(c, ids)
             wrong = {sid: st for sid, st in states.items() if st != "consumed"}
             if wrong:
@@ -567,7 +578,7 @@ class RolloutBuffer:
             raise ValueError("a skip needs a reason")
         ids = list(dict.fromkeys(sample_ids))
         now = time.time()
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             states = self._states(c, ids)
             final = {sid: st for sid, st in states.items() if st in ("trained", "skipped")}
             if final:
@@ -592,7 +603,7 @@ class RolloutBuffer:
     def requeue_after_restore(self, checkpoint_step: int) -> int:
         """After restoring the checkpoint of ``checkpoint_step``: samples consumed but not trained,
         or trained in a later step (their update was lost with the weights), become ready again."""
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             rows = c.execute("SELECT sample_id, state, train_step FROM samples "
                              "WHERE state = 'consumed' OR (state = 'trained' AND train_step > ?)",
                              (checkpoint_step,)).fetchall()
@@ -609,7 +620,7 @@ class RolloutBuffer:
 
     def counts(self) -> dict:
         """Sample counts by state, skips by reason, and judge statistics (for ``/admin/status``)."""
-        c = self.store._conn()
+        c = self.store.connection()
         out = {state: 0 for state in STATES}
         out.update(c.execute("SELECT state, COUNT(*) FROM samples GROUP BY state").fetchall())
         out["skipped_by_reason"] = dict(c.execute(
@@ -632,7 +643,7 @@ class RolloutBuffer:
         cols = ("sample_id", "turn_id", "group_id", "state", "skip_reason", "judge_kind", "verdict", "reward",
                 "advantage", "weight_lag", "consumed_version", "train_step", "trained_version", "requeues",
                 "rl_signal", "opd_state")
-        row = self.store._conn().execute(f"SELECT {', '.join(cols)} FROM samples WHERE sample_id = ?",
+        row = self.store.connection().execute(f"SELECT {', '.join(cols)} FROM samples WHERE sample_id = ?",
                                          (sample_id,)).fetchone()
         if row is None:
             raise KeyError(f"no sample with id {sample_id}")
@@ -640,12 +651,12 @@ class RolloutBuffer:
 
     def samples(self) -> list[dict]:
         """Every sample (id, turn, state, reason, reward...), in id order."""
-        ids = [r[0] for r in self.store._conn().execute("SELECT sample_id FROM samples ORDER BY sample_id")]
+        ids = [r[0] for r in self.store.connection().execute("SELECT sample_id FROM samples ORDER BY sample_id")]
         return [self.get_sample(i) for i in ids]
 
     def votes(self, sample_id: int) -> list[dict]:
         cols = ("attempt", "vote_index", "judge_kind", "score", "rationale", "raw")
-        rows = self.store._conn().execute(f"SELECT {', '.join(cols)} FROM votes WHERE sample_id = ? ORDER BY vote_id",
+        rows = self.store.connection().execute(f"SELECT {', '.join(cols)} FROM votes WHERE sample_id = ? ORDER BY vote_id",
                                           (sample_id,))
         return [dict(zip(cols, r)) for r in rows]
 

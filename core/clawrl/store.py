@@ -250,7 +250,9 @@ class TurnStore:
 
     # --- connections and transactions ----------------------------------------------------------
 
-    def _conn(self) -> sqlite3.Connection:
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection. Modules that keep their own tables in the store's file (the
+        rollout buffer, the OPD teacher) read through it and write through ``transaction``."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
             try:
@@ -266,9 +268,9 @@ class TurnStore:
         return conn
 
     @contextmanager
-    def _tx(self):
+    def transaction(self):
         """One durable write transaction (BEGIN IMMEDIATE .. COMMIT, fsynced by synchronous=FULL)."""
-        conn = self._conn()
+        conn = self.connection()
         with self._write_lock:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -286,7 +288,7 @@ class TurnStore:
         self._local = threading.local()
 
     def _migrate(self) -> None:
-        with self._tx() as c:
+        with self.transaction() as c:
             version = c.execute("PRAGMA user_version").fetchone()[0]
             if version > len(_MIGRATIONS):
                 raise StoreError(f"{self.path} has schema version {version}; this clawrl knows {len(_MIGRATIONS)}")
@@ -299,7 +301,7 @@ class TurnStore:
 
     def _meta_salt(self) -> str:
         """A random per-store salt for caller and link hashes, so they cannot be looked up elsewhere."""
-        with self._tx() as c:
+        with self.transaction() as c:
             row = c.execute("SELECT value FROM meta WHERE key = 'salt'").fetchone()
             if row:
                 return row[0]
@@ -310,7 +312,7 @@ class TurnStore:
     # --- linking (used by clawrl.sessions.SessionLinker) ---------------------------------------
 
     def turns_by_request_key(self, key: str) -> list[TurnRef]:
-        rows = self._conn().execute(
+        rows = self.connection().execute(
             f"SELECT {_TURN_REF_COLUMNS} FROM turns WHERE request_key = ? ORDER BY turn_id DESC", (key,)
         )
         return [_turn_ref(r) for r in rows]
@@ -321,7 +323,7 @@ class TurnStore:
         keys = list(keys)
         for i in range(0, len(keys), 500):  # SQLite's bound-parameter limit
             chunk = keys[i : i + 500]
-            rows = self._conn().execute(
+            rows = self.connection().execute(
                 f"SELECT reply_key, {_TURN_REF_COLUMNS} FROM turns WHERE reply_key IN "
                 f"({','.join('?' * len(chunk))}) ORDER BY turn_id DESC",
                 chunk,
@@ -332,7 +334,7 @@ class TurnStore:
 
     def latest_turn(self, session_id: str) -> Optional[TurnRef]:
         """The session's newest turn, preferring complete main turns over side runs and aborts."""
-        row = self._conn().execute(
+        row = self.connection().execute(
             f"SELECT {_TURN_REF_COLUMNS} FROM turns WHERE session_id = ? "
             "ORDER BY turn_type = 'main' DESC, status = 'complete' DESC, turn_id DESC LIMIT 1",
             (session_id,),
@@ -340,7 +342,7 @@ class TurnStore:
         return _turn_ref(row) if row else None
 
     def session_caller(self, session_id: str) -> Optional[str]:
-        row = self._conn().execute("SELECT caller_hash FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        row = self.connection().execute("SELECT caller_hash FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
         return row[0] if row else None
 
     def apply_link(
@@ -361,7 +363,7 @@ class TurnStore:
         (parent turn, sibling turn) is ``fork``; with ``next_state=(turn_id, messages)`` stores that
         open turn's next state (redacted) and closes it with reason ``next_state``.
         """
-        with self._tx() as c:
+        with self.transaction() as c:
             c.execute(
                 "INSERT INTO sessions (session_id, caller_hash, user, source, created_at, last_seen_at) "
                 "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO UPDATE SET last_seen_at = excluded.last_seen_at",
@@ -429,7 +431,7 @@ class TurnStore:
         if close_reason is None and rec.session_done:
             close_reason = "session_done"
         closed_at = rec.completed_at if close_reason else None
-        with self._tx() as c:
+        with self.transaction() as c:
             cur = c.execute(
                 "INSERT INTO turns (session_id, branch_id, parent_turn_id, turn_index, caller_hash, link_rule, "
                 "turn_type, type_rule, status, trainable, untrainable_reason, messages, history_len, tools, "
@@ -462,14 +464,14 @@ class TurnStore:
         ids = list(set(session_ids))
         if not ids:
             return set()
-        rows = self._conn().execute(
+        rows = self.connection().execute(
             f"SELECT DISTINCT session_id FROM turns WHERE session_id IN ({','.join('?' * len(ids))}) "
             "AND close_reason IN ('session_done', 'idle_timeout')", ids)
         return {r[0] for r in rows}
 
     def close_idle_sessions(self, now: float, idle_timeout_s: float) -> int:
         """Close the open turns of sessions with no request for ``idle_timeout_s``; returns how many."""
-        with self._tx() as c:
+        with self.transaction() as c:
             cur = c.execute(
                 "UPDATE turns SET close_reason = 'idle_timeout', next_state_at = ? WHERE close_reason IS NULL "
                 "AND session_id IN (SELECT session_id FROM sessions WHERE last_seen_at < ?)",
@@ -483,7 +485,7 @@ class TurnStore:
     # --- admin ---------------------------------------------------------------------------------
 
     def status_counts(self) -> dict:
-        c = self._conn()
+        c = self.connection()
         sessions = c.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
         turns, main, with_next = c.execute(
             "SELECT COUNT(*), COALESCE(SUM(turn_type = 'main'), 0), COALESCE(SUM(next_state IS NOT NULL), 0) FROM turns"
@@ -492,7 +494,7 @@ class TurnStore:
 
     def list_sessions(self, limit: Optional[int] = None, offset: int = 0) -> list[dict]:
         """Sessions, most recently active first, with turn counts; ``limit=None``: all of them."""
-        rows = self._conn().execute(
+        rows = self.connection().execute(
             "SELECT s.session_id, s.user, s.source, s.created_at, s.last_seen_at, "
             "COUNT(t.turn_id), COALESCE(SUM(t.turn_type = 'main'), 0), COALESCE(SUM(t.next_state IS NOT NULL), 0), "
             "COALESCE(SUM(t.turn_id IS NOT NULL AND t.close_reason IS NULL), 0), "
@@ -514,7 +516,7 @@ class TurnStore:
     _JSON_COLUMNS = ("tool_calls", "next_state", "messages", "tools")
 
     def _turn_dicts(self, columns: Sequence[str], where: str, params: tuple) -> Iterator[dict]:
-        rows = self._conn().execute(f"SELECT {', '.join(columns)} FROM turns {where} ORDER BY turn_id", params)
+        rows = self.connection().execute(f"SELECT {', '.join(columns)} FROM turns {where} ORDER BY turn_id", params)
         for r in rows:
             d = dict(zip(columns, r))
             for k in self._JSON_COLUMNS:
@@ -526,7 +528,7 @@ class TurnStore:
 
     def get_session(self, session_id: str) -> Optional[dict]:
         """One session with its branches and its turns (type, rule, next state, response text...)."""
-        c = self._conn()
+        c = self.connection()
         row = c.execute(
             "SELECT session_id, user, source, created_at, last_seen_at FROM sessions WHERE session_id = ?",
             (session_id,),
@@ -579,7 +581,7 @@ class TurnStore:
         if not actor:
             raise ValueError("a relabel needs an actor")
         now = time.time() if now is None else now
-        with self._tx() as c:
+        with self.transaction() as c:
             row = c.execute(
                 "SELECT turn_type, trainable, untrainable_reason FROM turns WHERE turn_id = ?", (turn_id,)
             ).fetchone()
@@ -608,7 +610,7 @@ class TurnStore:
 
     def corrections(self, turn_id: Optional[int] = None) -> list[dict]:
         where, params = ("WHERE turn_id = ?", (turn_id,)) if turn_id is not None else ("", ())
-        rows = self._conn().execute(
+        rows = self.connection().execute(
             f"SELECT correction_id, turn_id, old_label, new_label, actor, at FROM corrections {where} "
             "ORDER BY correction_id",
             params,

@@ -154,7 +154,7 @@ class OpdStore:
         self._migrate()
 
     def _migrate(self) -> None:
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             row = c.execute("SELECT value FROM meta WHERE key = ?", (_META_VERSION,)).fetchone()
             version = int(row[0]) if row else 0
             if version > len(_SCHEMA):
@@ -170,7 +170,7 @@ class OpdStore:
     def unjudged(self, limit: int, exclude: Iterable[int] = ()) -> list[JudgeInput]:
         """Up to ``limit`` closed turns that could train and have no hint verdict yet, oldest first."""
         exclude = set(exclude)
-        rows = self.store._conn().execute(
+        rows = self.store.connection().execute(
             "SELECT turn_id, turn_type, trainable, untrainable_reason, close_reason, messages, history_len, "
             "response_text, tool_calls, next_state FROM turns t WHERE close_reason = 'next_state' "
             "AND turn_type = 'main' AND trainable = 1 "
@@ -190,7 +190,7 @@ class OpdStore:
         """Store a verdict; False (and nothing changed) if the turn already has one -- another
         worker got there first, and its verdict stands."""
         state = "accepted" if verdict.accepted else "rejected"
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             n = c.execute(
                 "INSERT INTO opd_hints (turn_id, state, reason, hint, support, judge_kind, votes, judged_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (turn_id) DO NOTHING",
@@ -209,13 +209,13 @@ class OpdStore:
     def unscored(self, limit: int, exclude: Iterable[int] = ()) -> list[tuple[int, str]]:
         """(turn id, hint) of accepted turns not scored yet, oldest first."""
         exclude = set(exclude)
-        rows = self.store._conn().execute(
+        rows = self.store.connection().execute(
             "SELECT turn_id, hint FROM opd_hints WHERE state = 'accepted' ORDER BY turn_id").fetchall()
         return [(t, h) for t, h in rows if t not in exclude][:limit]
 
     def turn(self, turn_id: int) -> dict:
         """What the teacher needs of a turn: messages, history length, tools, prompt and response ids."""
-        row = self.store._conn().execute(
+        row = self.store.connection().execute(
             "SELECT messages, history_len, tools, prompt_ids, response_ids FROM turns WHERE turn_id = ?",
             (turn_id,)).fetchone()
         if row is None:
@@ -228,7 +228,7 @@ class OpdStore:
                      topk: int) -> None:
         ids = [i for row in result.topk_ids or () for i in row]
         lps = [x for row in result.topk_logprobs or () for x in row]
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             n = c.execute(
                 "UPDATE opd_hints SET state = 'scored', teacher = ?, teacher_prompt_ids = ?, teacher_logprobs = ?, "
                 "topk = ?, topk_ids = ?, topk_logprobs = ?, weight_version = ?, scored_at = ? "
@@ -240,7 +240,7 @@ class OpdStore:
             raise ValueError(f"turn {turn_id} has no accepted, unscored hint")
 
     def record_failure(self, turn_id: int, reason: str) -> None:
-        with self.store._tx() as c:
+        with self.store.transaction() as c:
             c.execute("UPDATE opd_hints SET state = 'failed', reason = ?, scored_at = ? "
                       "WHERE turn_id = ? AND state = 'accepted'", (reason, time.time(), turn_id))
         log.warning("turn %d: teacher scoring failed: %s", turn_id, reason)
@@ -249,7 +249,7 @@ class OpdStore:
         """The OPD record of a turn (None if not judged yet); token arrays unpacked, top-k as rows."""
         cols = ("turn_id", "state", "reason", "hint", "support", "judge_kind", "votes", "teacher",
                 "teacher_prompt_ids", "teacher_logprobs", "topk", "topk_ids", "topk_logprobs", "weight_version")
-        row = self.store._conn().execute(f"SELECT {', '.join(cols)} FROM opd_hints WHERE turn_id = ?",
+        row = self.store.connection().execute(f"SELECT {', '.join(cols)} FROM opd_hints WHERE turn_id = ?",
                                          (turn_id,)).fetchone()
         if row is None:
             return None
@@ -282,7 +282,7 @@ class OpdStore:
 
     def counts(self) -> dict:
         """Turns by OPD state and rejections/failures by reason (for ``/admin/status``)."""
-        c = self.store._conn()
+        c = self.store.connection()
         out = {state: 0 for state in STATES}
         out.update(c.execute("SELECT state, COUNT(*) FROM opd_hints GROUP BY state").fetchall())
         out["by_reason"] = dict(c.execute(

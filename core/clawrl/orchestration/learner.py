@@ -199,7 +199,7 @@ class Learner:
             self._wake.clear()
             try:
                 if self.paused_reason is None:
-                    ready = await asyncio.to_thread(self._ready_count)
+                    ready = await asyncio.to_thread(self.buffer.ready_count)
                     if ready >= self.cfg.train.batch_size and not self._stopping:
                         await self.train_once()
                         continue
@@ -256,10 +256,6 @@ class Learner:
                  ", ".join(f"turn {t} ({why})" for t, why in skipped) or "none")
         return True
 
-    def _ready_count(self) -> int:
-        # one indexed count per poll; buffer.counts() also aggregates every vote, too much every 0.25 s
-        return self.store._conn().execute("SELECT COUNT(*) FROM samples WHERE state = 'ready'").fetchone()[0]
-
     def notify(self) -> None:
         """A chat request finished: a turn may have closed (its next state arrived), so judge now
         instead of at the next poll. Thread-safe."""
@@ -271,10 +267,7 @@ class Learner:
     def _skips_since_last_step(self) -> list[tuple[int, str]]:
         """(turn, reason) of samples skipped since the previous step's log line."""
         mark, self._skip_mark = self._skip_mark, time.time()
-        rows = self.store._conn().execute(
-            "SELECT turn_id, skip_reason FROM samples WHERE state = 'skipped' AND done_at > ? AND done_at <= ? "
-            "ORDER BY turn_id", (mark, self._skip_mark))
-        return [(t, why) for t, why in rows]
+        return self.buffer.skipped_between(mark, self._skip_mark)
 
     async def settle(self, timeout_s: float = 120.0) -> None:
         """Wait until every closed turn is judged and every full batch is trained (or training is
@@ -297,7 +290,7 @@ class Learner:
     def status(self) -> dict:
         """The training section of ``/admin/status`` (synchronous: reads the store)."""
         counts = self.buffer.counts()
-        judged = self.store._conn().execute("SELECT COUNT(DISTINCT sample_id) FROM votes").fetchone()[0]
+        judged = self.buffer.judged_count()
         out = {
             "enabled": True, "method": self.cfg.method, "judge": None if self.worker is None else self.cfg.judge.kind,
             "paused": self.paused_reason is not None, "paused_reason": self.paused_reason,

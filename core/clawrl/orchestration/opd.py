@@ -56,7 +56,7 @@ class TeacherGate(PollingWorker):
         if not self.buffer.rl_judged:  # no reward judge creates (or relabel-skips) the samples under opd
             self.buffer.sync()
             self.buffer.skip_relabelled_pending()
-        rows = self.store._conn().execute(
+        rows = self.store.connection().execute(
             "SELECT s.sample_id, h.state, h.reason FROM samples s JOIN opd_hints h ON h.turn_id = s.turn_id "
             "WHERE s.opd_state IS NULL AND s.state IN ('pending', 'judged') "
             "AND h.state IN ('scored', 'rejected', 'failed') ORDER BY s.sample_id").fetchall()
@@ -68,7 +68,7 @@ class TeacherGate(PollingWorker):
                 self.buffer.resolve_opd(sid, "none", why, now=now)
         timed_out = []
         if self.wait_s is not None:
-            timed_out = [r[0] for r in self.store._conn().execute(
+            timed_out = [r[0] for r in self.store.connection().execute(
                 "SELECT sample_id FROM samples WHERE state = 'judged' AND opd_state IS NULL AND rl_signal = 1 "
                 "AND judged_at <= ? ORDER BY sample_id", (now - self.wait_s,))]
             for sid in timed_out:
@@ -159,7 +159,7 @@ class OpdLearning:
         """The ``opd`` part of ``/admin/status``: hints accepted and rejected (by reason), teacher
         scores and failures, OPD samples trained."""
         counts = self.opd.counts()
-        c = self.store._conn()
+        c = self.store.connection()
         trained = dict(c.execute(
             "SELECT opd_state, COUNT(*) FROM samples WHERE state = 'trained' AND opd_state IS NOT NULL "
             "GROUP BY opd_state").fetchall())
