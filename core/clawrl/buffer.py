@@ -180,18 +180,7 @@ class RolloutBuffer:
     # --- schema --------------------------------------------------------------------------------
 
     def _migrate(self) -> None:
-        with self.store.transaction() as c:
-            row = c.execute("SELECT value FROM meta WHERE key = ?", (_META_VERSION,)).fetchone()
-            version = int(row[0]) if row else 0
-            if version > len(_SCHEMA):
-                raise ValueError(f"{self.store.path} has buffer schema {version}; this clawrl knows {len(_SCHEMA)}")
-            for i in range(version, len(_SCHEMA)):
-                for stmt in _SCHEMA[i].split(";"):
-                    if stmt.strip():
-                        c.execute(stmt)
-                log.info("rollout buffer tables in %s migrated to version %d", self.store.path, i + 1)
-            c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                      (_META_VERSION, str(len(_SCHEMA))))
+        self.store.migrate_tables(_META_VERSION, _SCHEMA, "rollout buffer")
 
     @staticmethod
     def _meta(c, key: str) -> Optional[str]:

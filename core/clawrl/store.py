@@ -280,6 +280,23 @@ class TurnStore:
                 raise
             conn.execute("COMMIT")
 
+    def migrate_tables(self, meta_key: str, schema: Sequence[str], what: str) -> None:
+        """Bring tables another module keeps in this file (the rollout buffer, the OPD teacher) to the
+        latest of ``schema`` (a list of ';'-separated statement blocks), tracking the version under
+        ``meta_key`` in ``meta`` so each module migrates apart from the store's own schema."""
+        with self.transaction() as c:
+            row = c.execute("SELECT value FROM meta WHERE key = ?", (meta_key,)).fetchone()
+            version = int(row[0]) if row else 0
+            if version > len(schema):
+                raise ValueError(f"{self.path} has {what} schema {version}; this clawrl knows {len(schema)}")
+            for i in range(version, len(schema)):
+                for stmt in schema[i].split(";"):
+                    if stmt.strip():
+                        c.execute(stmt)
+                log.info("%s tables in %s migrated to version %d", what, self.path, i + 1)
+            c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                      (meta_key, str(len(schema))))
+
     def close(self) -> None:
         with self._conns_lock:
             for conn in self._conns:

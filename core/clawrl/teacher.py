@@ -154,18 +154,7 @@ class OpdStore:
         self._migrate()
 
     def _migrate(self) -> None:
-        with self.store.transaction() as c:
-            row = c.execute("SELECT value FROM meta WHERE key = ?", (_META_VERSION,)).fetchone()
-            version = int(row[0]) if row else 0
-            if version > len(_SCHEMA):
-                raise ValueError(f"{self.store.path} has OPD schema {version}; this clawrl knows {len(_SCHEMA)}")
-            for i in range(version, len(_SCHEMA)):
-                for stmt in _SCHEMA[i].split(";"):
-                    if stmt.strip():
-                        c.execute(stmt)
-                log.info("OPD tables in %s migrated to version %d", self.store.path, i + 1)
-            c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                      (_META_VERSION, str(len(_SCHEMA))))
+        self.store.migrate_tables(_META_VERSION, _SCHEMA, "OPD")
 
     def unjudged(self, limit: int, exclude: Iterable[int] = ()) -> list[JudgeInput]:
         """Up to ``limit`` closed turns that could train and have no hint verdict yet, oldest first."""
