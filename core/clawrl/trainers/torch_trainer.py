@@ -55,147 +55,21 @@ import math
 import random
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
 from clawrl.config import ClawrlConfig
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
-from clawrl.losses import (PolicyLossConfig, aggregate, aggregation_denominator, combine_advantages, kl_penalty,
-                           opd_advantages, policy_loss, token_entropy, token_logprobs, topk_distill_loss,
-                           topk_forward_kl, topk_logprobs)
+from clawrl.losses import aggregation_denominator, token_entropy, token_logprobs
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
+from clawrl.trainers.batching import MicroBatch, build_micro_batch, check_sample, pack, sample_metrics
+from clawrl.trainers.objective import FullLogits, Objective, StepStats
 
 log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's adapter name; the trainer trains exactly one
-TOPK_KL = ("reverse", "forward")
-
-
-@dataclass
-class MicroBatch:
-    """Packed sequences for one forward/backward. Per-token tensors cover response tokens only."""
-
-    input_ids: torch.Tensor  # [1, L] prompt+response tokens of every sequence, end to end
-    position_ids: torch.Tensor  # [1, L] restarting at 0 for each sequence
-    segment: torch.Tensor  # [L] which sequence each token belongs to (for the block mask)
-    logit_rows: torch.Tensor  # [T] positions whose next-token logits predict a response token
-    targets: torch.Tensor  # [T] the response tokens
-    temperature: torch.Tensor  # [T] sampling temperature of each token's sample
-    advantages: torch.Tensor  # [T]
-    loss_mask: torch.Tensor  # [T]
-    rollout_logprobs: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # [S + 1] over the T response tokens
-    has_rl: torch.Tensor  # [T] bool: the token's sample has a judged reward
-    has_opd: torch.Tensor  # [T] bool: the token's sample has teacher logprobs
-    teacher_logprobs: torch.Tensor  # [T] NaN where there is no teacher
-    topk_ids: torch.Tensor | None = None  # [T, K] the teacher's top-k ids (opd.topk > 0)
-    topk_logprobs: torch.Tensor | None = None  # [T, K]
-    topk_mask: torch.Tensor | None = None  # [T] 1 where the teacher's top-k is present
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
-
-
-def pack(samples: list[Sample], max_tokens: int) -> list[list[int]]:
-    """Sample indices per micro-batch: greedy, in order, at most ``max_tokens`` prompt+response
-    tokens each. A sample longer than the budget gets a micro-batch of its own."""
-    if max_tokens < 1:
-        raise ValueError(f"train.micro_batch_tokens must be >= 1, got {max_tokens}")
-    groups: list[list[int]] = []
-    used = 0
-    for i, s in enumerate(samples):
-        n = len(s.prompt_ids) + len(s.response_ids)
-        if groups and used + n <= max_tokens:
-            groups[-1].append(i)
-            used += n
-        else:
-            if n > max_tokens:
-                log.warning("sample %d has %d tokens, more than train.micro_batch_tokens=%d; "
-                            "it gets a micro-batch of its own", s.sample_id, n, max_tokens)
-            groups.append([i])
-            used = n
-    return groups
-
-
-def sample_temperature(s: Sample) -> float:
-    """The temperature the engine's logprobs were taken at (``extra["temperature"]``; default 1).
-    Greedy requests (0) record logprobs at temperature 1, like the engine."""
-    t = float(s.extra.get("temperature", 1.0) or 1.0)
-    if not (t > 0 and math.isfinite(t)):
-        raise ValueError(f"sample {s.sample_id}: temperature must be > 0, got {t}")
-    return t
-
-
-def check_sample(s: Sample, vocab_size: int) -> None:
-    """Refuse a malformed sample with a message naming it (a bad length would misalign tokens)."""
-    n = len(s.response_ids)
-    if not s.prompt_ids:
-        raise ValueError(f"sample {s.sample_id}: empty prompt (the first response token needs a context)")
-    if n == 0:
-        raise ValueError(f"sample {s.sample_id}: empty response")
-    if len(s.rollout_logprobs) != n:
-        raise ValueError(f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout logprobs for {n} response tokens")
-    if s.loss_mask is not None and len(s.loss_mask) != n:
-        raise ValueError(f"sample {s.sample_id}: loss_mask has {len(s.loss_mask)} entries for {n} response tokens")
-    bad = next((t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= int(t) < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"sample {s.sample_id}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-
-
-def teacher_signal(s: Sample, topk: int) -> tuple[list[float] | None, list | None, list | None]:
-    """(teacher logprobs, top-k ids, top-k logprobs) from ``extra["opd"]``; Nones where absent. A
-    top-k of another K than ``topk`` (stored under other settings) is not used."""
-    opd = s.extra.get("opd")
-    if not opd:
-        return None, None, None
-    teacher = [float(x) for x in opd["teacher_logprobs"]]
-    if len(teacher) != len(s.response_ids):
-        raise ValueError(f"sample {s.sample_id}: {len(teacher)} teacher logprobs for {len(s.response_ids)} "
-                         "response tokens")
-    ids, lps = opd.get("topk_ids"), opd.get("topk_logprobs")
-    if topk <= 0 or not ids or len(ids) != len(teacher) or any(len(row) != topk for row in ids):
-        return teacher, None, None
-    return teacher, ids, lps
-
-
-def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0) -> MicroBatch:
-    ids, pos, seg, rows, targets, temps, adv, mask, rollout, cu = [], [], [], [], [], [], [], [], [], [0]
-    has_rl, has_opd, teacher, top_ids, top_lps, top_mask = [], [], [], [], [], []
-    for k, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        start = len(ids)
-        ids += [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]
-        pos += range(p + r)
-        seg += [k] * (p + r)
-        rows += range(start + p - 1, start + p + r - 1)  # logits at t predict token t + 1
-        targets += [int(t) for t in s.response_ids]
-        temps += [sample_temperature(s)] * r
-        adv += [float(s.advantage)] * r
-        mask += [1.0] * r if s.loss_mask is None else [float(m) for m in s.loss_mask]
-        rollout += [float(x) for x in s.rollout_logprobs]
-        cu.append(cu[-1] + r)
-        lps, k_ids, k_lps = teacher_signal(s, topk)
-        has_rl += [bool(s.extra.get("rl_signal", True))] * r
-        has_opd += [lps is not None] * r
-        teacher += lps if lps is not None else [math.nan] * r
-        top_ids += k_ids if k_ids is not None else [[0] * topk] * r
-        top_lps += k_lps if k_lps is not None else [[0.0] * topk] * r
-        top_mask += [float(k_ids is not None)] * r
-
-    def t(values, dtype=torch.float32):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    return MicroBatch(
-        input_ids=t([ids], torch.long), position_ids=t([pos], torch.long), segment=t(seg, torch.long),
-        logit_rows=t(rows, torch.long), targets=t(targets, torch.long), temperature=t(temps),
-        advantages=t(adv), loss_mask=t(mask), rollout_logprobs=t(rollout), cu_seqlens=t(cu, torch.long),
-        has_rl=t(has_rl, torch.bool), has_opd=t(has_opd, torch.bool), teacher_logprobs=t(teacher),
-        topk_ids=t(top_ids, torch.long) if topk > 0 else None, topk_logprobs=t(top_lps) if topk > 0 else None,
-        topk_mask=t(top_mask) if topk > 0 else None,
-    )
+__all__ = ["TorchTrainer", "pack"]
 
 
 class TorchTrainer(Trainer):
@@ -229,24 +103,7 @@ class TorchTrainer(Trainer):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
-        band = tuple(train_cfg.icepop_band) if train_cfg.icepop_band is not None else None
-        # kl_in_reward: the KL is folded into the advantage instead of being a loss term.
-        self.loss_cfg = PolicyLossConfig(
-            eps_clip_low=train_cfg.eps_clip_low, eps_clip_high=train_cfg.eps_clip_high,
-            dual_clip_c=train_cfg.dual_clip_c, kl_coef=0.0 if train_cfg.kl_in_reward else train_cfg.kl_coef,
-            kl_estimator=train_cfg.kl_estimator, entropy_coef=train_cfg.entropy_coef, tis_cap=train_cfg.tis_cap,
-            icepop_band=band, aggregation=train_cfg.aggregation)
-        # (w_rl, w_opd) per method; see the module docstring
-        self.method_weights = {"rl": (1.0, 0.0), "opd": (0.0, 1.0),
-                               "combine": (cfg.combine.w_rl, cfg.combine.w_opd)}.get(cfg.method)
-        if self.method_weights is None:
-            raise TrainerError(f"unknown method '{cfg.method}'; the torch trainer trains rl, opd and combine")
-        opd_cfg = cfg.opd
-        self.topk = opd_cfg.topk if cfg.method != "rl" and opd_cfg.topk_coef > 0 else 0
-        self.topk_coef, self.opd_clip = opd_cfg.topk_coef, opd_cfg.adv_clip
-        if opd_cfg.topk_kl not in TOPK_KL:
-            raise TrainerError(f"opd.topk_kl must be one of {', '.join(TOPK_KL)}, not {opd_cfg.topk_kl!r}")
-        self.topk_kl = opd_cfg.topk_kl
+        self.objective = Objective(cfg)
         self.step = 0
         self.bad_steps = 0
         self.paused_reason = None
@@ -321,11 +178,11 @@ class TorchTrainer(Trainer):
         for s in samples:
             check_sample(s, self.vocab_size)
         started = time.perf_counter()
-        train_cfg, mode = self.train_cfg, self.loss_cfg.aggregation
-        batches = [build_micro_batch([samples[i] for i in g], self.device, self.topk)
+        train_cfg, mode = self.train_cfg, self.objective.loss_cfg.aggregation
+        batches = [build_micro_batch([samples[i] for i in g], self.device, self.objective.topk)
                    for g in pack(samples, train_cfg.micro_batch_tokens)]
-        opd_metrics = self._apply_method_advantages(batches)
-        metrics = {**self._sample_metrics(samples, weight_version, batches), **opd_metrics}
+        opd_metrics = self.objective.apply_method_advantages(batches)
+        metrics = {**sample_metrics(samples, weight_version, batches), **opd_metrics}
         denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in batches)
         if denominator <= 0:
             return StepResult(False, metrics, "no_trainable_tokens")
@@ -339,7 +196,7 @@ class TorchTrainer(Trainer):
                 old = token_logprobs(logits, mb.targets)
                 entropy_sum += float((token_entropy(logits) * mb.loss_mask).sum())
                 olds.append(old)
-                refs.append(self._reference_logprobs(mb) if train_cfg.kl_coef > 0 else None)
+                refs.append(self._reference_logprobs(mb) if self.objective.needs_reference else None)
                 gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
         trained = float(sum(float(mb.loss_mask.sum()) for mb in batches))
         metrics["entropy"] = entropy_sum / max(trained, 1.0)
@@ -347,42 +204,15 @@ class TorchTrainer(Trainer):
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, sums = 0.0, {}
+        stats = StepStats()
         for mb, old, ref in zip(batches, olds, refs):
-            logits = self._logits(self.model, mb)
-            lp = token_logprobs(logits, mb.targets)
-            entropy = token_entropy(logits) if train_cfg.entropy_coef != 0 else None
-            advantages = mb.advantages
-            if train_cfg.kl_in_reward and ref is not None:
-                advantages = advantages - train_cfg.kl_coef * kl_penalty(old, ref, train_cfg.kl_estimator)
-            loss, m = policy_loss(lp, old, advantages, mb.loss_mask, mb.cu_seqlens, self.loss_cfg,
-                                  rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
-                                  global_denominator=denominator)
-            if mb.topk_mask is not None and bool((mb.topk_mask * mb.loss_mask).any()):
-                distill_mask = mb.topk_mask * mb.loss_mask
-                # the teacher's top-k is at temperature 1: undo the sample's temperature
-                kl = self._topk_kl(logits * mb.temperature.to(logits.dtype)[:, None], mb.topk_ids, mb.topk_logprobs)
-                loss = loss + self.topk_coef * aggregate(kl, distill_mask, mb.cu_seqlens, mode,
-                                                         global_denominator=denominator)
-                sums["topk_kl_sum"] = sums.get("topk_kl_sum", 0.0) + float((kl.detach() * distill_mask).sum())
-                sums["topk_tokens"] = sums.get("topk_tokens", 0.0) + float(distill_mask.sum())
+            ops = FullLogits(self._logits(self.model, mb), mb.temperature)
+            loss, sums = self.objective.loss(ops, mb, old, ref, denominator)
             if not torch.isfinite(loss):
                 return self._skip(metrics, "nonfinite_loss")
             loss.backward()
-            loss_total += float(loss.detach())
-            weight = float(m["trained_tokens"])
-            for k, v in m.items():
-                if k == "pg_loss":
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                elif k != "trained_tokens":
-                    sums[k] = sums.get(k, 0.0) + float(v) * weight
-        topk_kl, topk_tokens = sums.pop("topk_kl_sum", None), sums.pop("topk_tokens", 0.0)
-        for k, v in sums.items():
-            metrics[k] = v if k == "pg_loss" else v / max(trained, 1.0)
-        if topk_kl is not None:
-            metrics["topk_kl"] = topk_kl / max(topk_tokens, 1.0)
-        metrics["rollout_logprob_gap_mean"] = metrics.pop("rollout_logprob_abs_gap")
-        metrics["loss"] = loss_total
+            stats.add(float(loss.detach()), sums)
+        metrics.update(stats.metrics(trained))
 
         clip = train_cfg.grad_clip if train_cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
@@ -397,34 +227,6 @@ class TorchTrainer(Trainer):
                        step_seconds=time.perf_counter() - started)
         return StepResult(True, metrics, None)
 
-    def _topk_kl(self, logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        """Per-token top-k KL in the direction ``opd.topk_kl`` names (module docstring)."""
-        if self.topk_kl == "reverse":
-            return topk_distill_loss(logits, ids, teacher)
-        student = topk_logprobs(logits, ids)
-        return topk_forward_kl(student, teacher)
-
-    def _apply_method_advantages(self, batches: list[MicroBatch]) -> dict:
-        """Per-token advantages for ``cfg.method`` (module docstring), in place: ``advantages``
-        becomes the combined advantage and ``loss_mask`` drops tokens of samples with no signal."""
-        w_rl, w_opd = self.method_weights
-        counts = {"rl": 0, "opd": 0, "both": 0}
-        opd_sum, opd_tokens = 0.0, 0.0
-        for mb in batches:
-            has_rl, has_opd = mb.has_rl & (w_rl > 0), mb.has_opd & (w_opd > 0)
-            a_opd = opd_advantages(mb.teacher_logprobs, mb.rollout_logprobs, mb.loss_mask, clip=self.opd_clip)
-            mb.advantages, trained = combine_advantages(mb.advantages, a_opd, w_rl, w_opd, has_rl, has_opd)
-            mb.loss_mask = mb.loss_mask * trained.to(mb.loss_mask.dtype)
-            opd_mask = mb.loss_mask * has_opd.to(mb.loss_mask.dtype)
-            opd_sum += float((a_opd * opd_mask).sum())
-            opd_tokens += float(opd_mask.sum())
-            first = mb.cu_seqlens[:-1]  # one token per sequence (responses are never empty)
-            for rl, opd in zip(has_rl[first].tolist(), has_opd[first].tolist()):
-                if rl or opd:
-                    counts["both" if rl and opd else "rl" if rl else "opd"] += 1
-        return {"samples_rl_only": counts["rl"], "samples_opd_only": counts["opd"], "samples_both": counts["both"],
-                "opd_advantage_mean": opd_sum / opd_tokens if opd_tokens else 0.0, "opd_tokens": opd_tokens}
-
     def _skip(self, metrics: dict, reason: str) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
         self.bad_steps += 1
@@ -436,18 +238,6 @@ class TorchTrainer(Trainer):
             log.error("training paused: %s", self.paused_reason)
         metrics["bad_steps"] = self.bad_steps
         return StepResult(False, metrics, reason)
-
-    @staticmethod
-    def _sample_metrics(samples: list[Sample], weight_version: int, batches: list[MicroBatch]) -> dict:
-        lag = [weight_version - s.oldest_version for s in samples]
-        return {
-            "samples": len(samples), "micro_batches": len(batches),
-            "tokens": sum(mb.num_tokens for mb in batches),
-            "trained_tokens": float(sum(float(mb.loss_mask.sum()) for mb in batches)),
-            "reward_mean": sum(s.reward for s in samples) / len(samples),
-            "advantage_mean": sum(s.advantage for s in samples) / len(samples),
-            "staleness_mean": sum(lag) / len(lag), "staleness_max": max(lag),
-        }
 
     # ---------------------------------------------------------------- weights and state
 

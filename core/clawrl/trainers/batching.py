@@ -1,0 +1,157 @@
+"""Samples -> packed micro-batches: the data layout both trainer backends train on.
+
+A micro-batch is one row of concatenated sequences (prompt + response each), positions restarting
+per sequence, with per-token tensors over the *response* tokens only: their targets, advantages,
+masks, rollout logprobs, and the teacher's signal for OPD. ``pack`` splits a step's samples into
+micro-batches of at most ``train.micro_batch_tokens`` tokens (dynamic micro-batches), so the
+number of micro-batches follows the data, not a fixed count.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from clawrl.samples import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MicroBatch:
+    """Packed sequences for one forward/backward. Per-token tensors cover response tokens only."""
+
+    input_ids: torch.Tensor  # [1, L] prompt+response tokens of every sequence, end to end
+    position_ids: torch.Tensor  # [1, L] restarting at 0 for each sequence
+    segment: torch.Tensor  # [L] which sequence each token belongs to (for the block mask)
+    logit_rows: torch.Tensor  # [T] positions whose next-token logits predict a response token
+    targets: torch.Tensor  # [T] the response tokens
+    temperature: torch.Tensor  # [T] sampling temperature of each token's sample
+    advantages: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T]
+    rollout_logprobs: torch.Tensor  # [T]
+    cu_seqlens: torch.Tensor  # [S + 1] over the T response tokens
+    has_rl: torch.Tensor  # [T] bool: the token's sample has a judged reward
+    has_opd: torch.Tensor  # [T] bool: the token's sample has teacher logprobs
+    teacher_logprobs: torch.Tensor  # [T] NaN where there is no teacher
+    topk_ids: torch.Tensor | None = None  # [T, K] the teacher's top-k ids (opd.topk > 0)
+    topk_logprobs: torch.Tensor | None = None  # [T, K]
+    topk_mask: torch.Tensor | None = None  # [T] 1 where the teacher's top-k is present
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def pack(samples: list[Sample], max_tokens: int) -> list[list[int]]:
+    """Sample indices per micro-batch: greedy, in order, at most ``max_tokens`` prompt+response
+    tokens each. A sample longer than the budget gets a micro-batch of its own."""
+    if max_tokens < 1:
+        raise ValueError(f"train.micro_batch_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    used = 0
+    for i, s in enumerate(samples):
+        n = len(s.prompt_ids) + len(s.response_ids)
+        if groups and used + n <= max_tokens:
+            groups[-1].append(i)
+            used += n
+        else:
+            if n > max_tokens:
+                log.warning("sample %d has %d tokens, more than train.micro_batch_tokens=%d; "
+                            "it gets a micro-batch of its own", s.sample_id, n, max_tokens)
+            groups.append([i])
+            used = n
+    return groups
+
+
+def sample_temperature(s: Sample) -> float:
+    """The temperature the engine's logprobs were taken at (``extra["temperature"]``; default 1).
+    Greedy requests (0) record logprobs at temperature 1, like the engine."""
+    t = float(s.extra.get("temperature", 1.0) or 1.0)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"sample {s.sample_id}: temperature must be > 0, got {t}")
+    return t
+
+
+def check_sample(s: Sample, vocab_size: int) -> None:
+    """Refuse a malformed sample with a message naming it (a bad length would misalign tokens)."""
+    n = len(s.response_ids)
+    if not s.prompt_ids:
+        raise ValueError(f"sample {s.sample_id}: empty prompt (the first response token needs a context)")
+    if n == 0:
+        raise ValueError(f"sample {s.sample_id}: empty response")
+    if len(s.rollout_logprobs) != n:
+        raise ValueError(f"sample {s.sample_id}: {len(s.rollout_logprobs)} rollout logprobs for {n} response tokens")
+    if s.loss_mask is not None and len(s.loss_mask) != n:
+        raise ValueError(f"sample {s.sample_id}: loss_mask has {len(s.loss_mask)} entries for {n} response tokens")
+    bad = next((t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= int(t) < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"sample {s.sample_id}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def teacher_signal(s: Sample, topk: int) -> tuple[list[float] | None, list | None, list | None]:
+    """(teacher logprobs, top-k ids, top-k logprobs) from ``extra["opd"]``; Nones where absent. A
+    top-k of another K than ``topk`` (stored under other settings) is not used."""
+    opd = s.extra.get("opd")
+    if not opd:
+        return None, None, None
+    teacher = [float(x) for x in opd["teacher_logprobs"]]
+    if len(teacher) != len(s.response_ids):
+        raise ValueError(f"sample {s.sample_id}: {len(teacher)} teacher logprobs for {len(s.response_ids)} "
+                         "response tokens")
+    ids, lps = opd.get("topk_ids"), opd.get("topk_logprobs")
+    if topk <= 0 or not ids or len(ids) != len(teacher) or any(len(row) != topk for row in ids):
+        return teacher, None, None
+    return teacher, ids, lps
+
+
+def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0) -> MicroBatch:
+    ids, pos, seg, rows, targets, temps, adv, mask, rollout, cu = [], [], [], [], [], [], [], [], [], [0]
+    has_rl, has_opd, teacher, top_ids, top_lps, top_mask = [], [], [], [], [], []
+    for k, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        start = len(ids)
+        ids += [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]
+        pos += range(p + r)
+        seg += [k] * (p + r)
+        rows += range(start + p - 1, start + p + r - 1)  # logits at t predict token t + 1
+        targets += [int(t) for t in s.response_ids]
+        temps += [sample_temperature(s)] * r
+        adv += [float(s.advantage)] * r
+        mask += [1.0] * r if s.loss_mask is None else [float(m) for m in s.loss_mask]
+        rollout += [float(x) for x in s.rollout_logprobs]
+        cu.append(cu[-1] + r)
+        lps, k_ids, k_lps = teacher_signal(s, topk)
+        has_rl += [bool(s.extra.get("rl_signal", True))] * r
+        has_opd += [lps is not None] * r
+        teacher += lps if lps is not None else [math.nan] * r
+        top_ids += k_ids if k_ids is not None else [[0] * topk] * r
+        top_lps += k_lps if k_lps is not None else [[0.0] * topk] * r
+        top_mask += [float(k_ids is not None)] * r
+
+    def t(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return MicroBatch(
+        input_ids=t([ids], torch.long), position_ids=t([pos], torch.long), segment=t(seg, torch.long),
+        logit_rows=t(rows, torch.long), targets=t(targets, torch.long), temperature=t(temps),
+        advantages=t(adv), loss_mask=t(mask), rollout_logprobs=t(rollout), cu_seqlens=t(cu, torch.long),
+        has_rl=t(has_rl, torch.bool), has_opd=t(has_opd, torch.bool), teacher_logprobs=t(teacher),
+        topk_ids=t(top_ids, torch.long) if topk > 0 else None, topk_logprobs=t(top_lps) if topk > 0 else None,
+        topk_mask=t(top_mask) if topk > 0 else None,
+    )
+
+
+def sample_metrics(samples: list[Sample], weight_version: int, batches: list[MicroBatch]) -> dict:
+    """Step metrics that depend only on the samples and their packing."""
+    lag = [weight_version - s.oldest_version for s in samples]
+    return {
+        "samples": len(samples), "micro_batches": len(batches),
+        "tokens": sum(mb.num_tokens for mb in batches),
+        "trained_tokens": float(sum(float(mb.loss_mask.sum()) for mb in batches)),
+        "reward_mean": sum(s.reward for s in samples) / len(samples),
+        "advantage_mean": sum(s.advantage for s in samples) / len(samples),
+        "staleness_mean": sum(lag) / len(lag), "staleness_max": max(lag),
+    }

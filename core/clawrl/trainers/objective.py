@@ -1,0 +1,160 @@
+"""The training objective of one step, shared by the torch and megatron backends.
+
+Both backends call the same code for everything after the logits, so they can only differ in how
+the logits are computed and where the vocabulary lives. ``VocabOps`` is that difference: full
+logits on one device (``FullLogits``) or a tensor-parallel vocabulary shard (the megatron
+backend's ``ShardLogits``). Everything else -- method advantages (RL, OPD, Combine), the policy
+loss with TIS/IcePop, KL and entropy, the top-k distillation term, the global aggregation
+denominator, and the step's metrics -- lives here once.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from clawrl.config import ClawrlConfig
+from clawrl.losses import (PolicyLossConfig, aggregate, combine_advantages, kl_penalty, opd_advantages,
+                           policy_loss, token_entropy, token_logprobs, topk_forward_kl, topk_logprobs,
+                           topk_reverse_kl)
+from clawrl.trainers.base import TrainerError
+from clawrl.trainers.batching import MicroBatch
+
+TOPK_KL = ("reverse", "forward")
+
+
+class VocabOps(Protocol):
+    """The vocabulary-level quantities of one micro-batch's logits (already divided by the
+    per-token sampling temperature)."""
+
+    def logprobs(self, targets: torch.Tensor) -> torch.Tensor: ...  # [T]
+
+    def entropy(self) -> torch.Tensor: ...  # [T]
+
+    def topk_logprobs_t1(self, ids: torch.Tensor) -> torch.Tensor: ...  # [T, K] at temperature 1
+
+
+class FullLogits:
+    """``VocabOps`` over full ``[T, V]`` logits on one device."""
+
+    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor):
+        self.logits, self.temperature = logits, temperature
+
+    def logprobs(self, targets: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(self.logits, targets)
+
+    def entropy(self) -> torch.Tensor:
+        return token_entropy(self.logits)
+
+    def topk_logprobs_t1(self, ids: torch.Tensor) -> torch.Tensor:
+        # the teacher's top-k is at temperature 1: undo the sample's temperature
+        return topk_logprobs(self.logits * self.temperature.to(self.logits.dtype)[:, None], ids)
+
+
+class Objective:
+    """One run's objective, from ``cfg.train``, ``cfg.method``, ``cfg.opd`` and ``cfg.combine``."""
+
+    def __init__(self, cfg: ClawrlConfig):
+        train_cfg = cfg.train
+        self.train_cfg = train_cfg
+        band = tuple(train_cfg.icepop_band) if train_cfg.icepop_band is not None else None
+        # kl_in_reward: the KL is folded into the advantage instead of being a loss term.
+        self.loss_cfg = PolicyLossConfig(
+            eps_clip_low=train_cfg.eps_clip_low, eps_clip_high=train_cfg.eps_clip_high,
+            dual_clip_c=train_cfg.dual_clip_c, kl_coef=0.0 if train_cfg.kl_in_reward else train_cfg.kl_coef,
+            kl_estimator=train_cfg.kl_estimator, entropy_coef=train_cfg.entropy_coef, tis_cap=train_cfg.tis_cap,
+            icepop_band=band, aggregation=train_cfg.aggregation)
+        # (w_rl, w_opd) per method
+        self.method_weights = {"rl": (1.0, 0.0), "opd": (0.0, 1.0),
+                               "combine": (cfg.combine.w_rl, cfg.combine.w_opd)}.get(cfg.method)
+        if self.method_weights is None:
+            raise TrainerError(f"unknown method '{cfg.method}'; the trainers train rl, opd and combine")
+        opd_cfg = cfg.opd
+        self.topk = opd_cfg.topk if cfg.method != "rl" and opd_cfg.topk_coef > 0 else 0
+        self.topk_coef, self.opd_clip = opd_cfg.topk_coef, opd_cfg.adv_clip
+        if opd_cfg.topk_kl not in TOPK_KL:
+            raise TrainerError(f"opd.topk_kl must be one of {', '.join(TOPK_KL)}, not {opd_cfg.topk_kl!r}")
+        self.topk_kl = opd_cfg.topk_kl
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.train_cfg.kl_coef > 0
+
+    def apply_method_advantages(self, batches: list[MicroBatch]) -> dict:
+        """Per-token advantages for ``cfg.method``, in place: ``advantages`` becomes
+        ``w_rl * A_rl + w_opd * A_opd`` and ``loss_mask`` drops tokens of samples with no signal."""
+        w_rl, w_opd = self.method_weights
+        counts = {"rl": 0, "opd": 0, "both": 0}
+        opd_sum, opd_tokens = 0.0, 0.0
+        for mb in batches:
+            has_rl, has_opd = mb.has_rl & (w_rl > 0), mb.has_opd & (w_opd > 0)
+            a_opd = opd_advantages(mb.teacher_logprobs, mb.rollout_logprobs, mb.loss_mask, clip=self.opd_clip)
+            mb.advantages, trained = combine_advantages(mb.advantages, a_opd, w_rl, w_opd, has_rl, has_opd)
+            mb.loss_mask = mb.loss_mask * trained.to(mb.loss_mask.dtype)
+            opd_mask = mb.loss_mask * has_opd.to(mb.loss_mask.dtype)
+            opd_sum += float((a_opd * opd_mask).sum())
+            opd_tokens += float(opd_mask.sum())
+            first = mb.cu_seqlens[:-1]  # one token per sequence (responses are never empty)
+            for rl, opd in zip(has_rl[first].tolist(), has_opd[first].tolist()):
+                if rl or opd:
+                    counts["both" if rl and opd else "rl" if rl else "opd"] += 1
+        return {"samples_rl_only": counts["rl"], "samples_opd_only": counts["opd"], "samples_both": counts["both"],
+                "opd_advantage_mean": opd_sum / opd_tokens if opd_tokens else 0.0, "opd_tokens": opd_tokens}
+
+    def loss(self, ops: VocabOps, mb: MicroBatch, old: torch.Tensor, ref: torch.Tensor | None,
+             denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the step loss, and its metric sums (``StepStats.add``)."""
+        train_cfg, mode = self.train_cfg, self.loss_cfg.aggregation
+        lp = ops.logprobs(mb.targets)
+        entropy = ops.entropy() if train_cfg.entropy_coef != 0 else None
+        advantages = mb.advantages
+        if train_cfg.kl_in_reward and ref is not None:
+            advantages = advantages - train_cfg.kl_coef * kl_penalty(old, ref, train_cfg.kl_estimator)
+        loss, m = policy_loss(lp, old, advantages, mb.loss_mask, mb.cu_seqlens, self.loss_cfg,
+                              rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
+                              global_denominator=denominator)
+        sums: dict[str, float] = {}
+        if mb.topk_mask is not None and bool((mb.topk_mask * mb.loss_mask).any()):
+            distill_mask = mb.topk_mask * mb.loss_mask
+            student = ops.topk_logprobs_t1(mb.topk_ids)
+            kl = (topk_reverse_kl if self.topk_kl == "reverse" else topk_forward_kl)(student, mb.topk_logprobs)
+            loss = loss + self.topk_coef * aggregate(kl, distill_mask, mb.cu_seqlens, mode,
+                                                     global_denominator=denominator)
+            sums["topk_kl_sum"] = float((kl.detach() * distill_mask).sum())
+            sums["topk_tokens"] = float(distill_mask.sum())
+        weight = float(m["trained_tokens"])
+        for k, v in m.items():
+            if k == "pg_loss":
+                sums[k] = float(v)
+            elif k != "trained_tokens":
+                sums[k] = float(v) * weight
+        return loss, sums
+
+
+class StepStats:
+    """Adds up per-micro-batch metric sums (from ``Objective.loss``) into the step's metrics."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.loss = 0.0
+
+    def add(self, loss: float, sums: dict[str, float]) -> None:
+        self.loss += loss
+        for k, v in sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def merge(self, other: "StepStats") -> None:
+        self.add(other.loss, other.sums)
+
+    def metrics(self, trained: float) -> dict[str, float]:
+        sums = dict(self.sums)
+        out: dict[str, float] = {}
+        topk_kl, topk_tokens = sums.pop("topk_kl_sum", None), sums.pop("topk_tokens", 0.0)
+        for k, v in sums.items():
+            out[k] = v if k == "pg_loss" else v / max(trained, 1.0)
+        if topk_kl is not None:
+            out["topk_kl"] = topk_kl / max(topk_tokens, 1.0)
+        if "rollout_logprob_abs_gap" in out:
+            out["rollout_logprob_gap_mean"] = out.pop("rollout_logprob_abs_gap")
+        out["loss"] = self.loss
+        return out
