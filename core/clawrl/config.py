@@ -127,8 +127,40 @@ class TrainConfig:
 
 @dataclass
 class TrainerConfig:
-    # torch: the built-in HF/torch trainer. megatron: megatron-core (not built yet).
+    # torch: the built-in HF/torch trainer (one process). megatron: megatron-core with tensor,
+    # pipeline and data parallelism over trainer ranks in their own processes (cluster.*).
     backend: str = "torch"
+
+
+@dataclass
+class ClusterConfig:
+    """Where trainer ranks and engines run (``trainer.backend=megatron``).
+
+    The node layout comes from the launch environment (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+    GPUS_PER_NODE), as torchrun reads it; these fields are the parallel layout and the plumbing.
+    """
+
+    # Tensor- and pipeline-parallel sizes; data parallel = trainer ranks / (tp * pp).
+    tp: int = 1
+    pp: int = 1
+    # Trainer ranks per node when GPUS_PER_NODE is unset (on CPU: processes, gloo).
+    procs_per_node: int = 1
+    # mcore DDP with the distributed optimizer (optimizer state sharded over data-parallel ranks).
+    distributed_optimizer: bool = True
+    # Seconds a connection, collective or weight sync may take before it fails with a reason.
+    timeout_s: float = 300.0
+    # Ports on MASTER_ADDR for the driver's control channel and the weight-sync process group
+    # (0: MASTER_PORT + 1 and MASTER_PORT + 2).
+    control_port: int = 0
+    sync_port: int = 0
+    # Weight-sync bucket size: HF-named tensors are streamed in buckets of at most this many MB.
+    bucket_mb: int = 256
+    # Place serving engines with Ray (an existing cluster at ray_address, or a local one).
+    ray: bool = False
+    ray_address: str = "auto"
+    # Engines to place, and the GPUs each takes (0 on CPU).
+    engines: int = 1
+    engine_gpus: float = 0.0
 
 
 @dataclass
@@ -220,6 +252,7 @@ class ClawrlConfig:
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     opd: OpdConfig = field(default_factory=OpdConfig)
     combine: CombineConfig = field(default_factory=CombineConfig)
