@@ -1,0 +1,97 @@
+"""One rank's megatron-core GPTModel, and the packed forward the trainer runs through it.
+
+The layer spec is transformer-engine's when it is importable and megatron's local (pure torch)
+spec otherwise; ``layer_spec_kind`` says which. Both train the same weights; the names of the two
+fused norms differ (``convert.plan(te_names=...)``).
+
+Packing: a micro-batch is one row of concatenated sequences. ``packed_forward`` does what
+``GPTModel.forward`` does, with two differences that make packing exact on the local spec:
+
+- rotary positions restart for every sequence (``position_ids``), by indexing the rotary table
+  with them; ``GPTModel.forward`` would use 0..L-1 for the whole row;
+- attention gets a block-diagonal causal mask, so no sequence sees another.
+
+Only the rows whose logits predict a response token go through the output layer, which bounds the
+``[tokens, vocab / tp]`` logits to the trained tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from clawrl.trainers.megatron.convert import Arch
+
+
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec_kind() -> str:
+    return "transformer-engine" if has_transformer_engine() else "local"
+
+
+def transformer_config(arch: Arch, tp: int, pp: int, dtype: torch.dtype, on_cuda: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
+        num_query_groups=arch.kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        # Packed micro-batches have different lengths; pipeline sends must carry their shapes.
+        variable_seq_lengths=True,
+        # Dense models have no experts; megatron still validates this against variable lengths.
+        moe_token_dispatcher_type="alltoall",
+        # Fused kernels are CUDA-only or need transformer-engine/apex; the unfused paths are exact.
+        use_cpu_initialization=not on_cuda, persist_layer_norm=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+    )
+
+
+def build_gpt(arch: Arch, config, pre_process: bool, post_process: bool):
+    from megatron.core.models.gpt import GPTModel
+
+    if has_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.vocab,
+                    max_sequence_length=arch.max_positions, pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=arch.tied, position_embedding_type="rope",
+                    rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta)
+
+
+def block_causal_mask(segment: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, L, L]`` bool, True where attention is *not* allowed (megatron's convention)."""
+    n = segment.shape[0]
+    causal = torch.ones(n, n, dtype=torch.bool, device=segment.device).tril()
+    return ~(causal & (segment[:, None] == segment[None, :]))[None, None]
+
+
+def packed_forward(gpt, input_ids: torch.Tensor, position_ids: torch.Tensor, segment: torch.Tensor,
+                   logit_rows: torch.Tensor) -> torch.Tensor:
+    """Hidden states ``[L, 1, H]`` on a non-last stage; on the last stage, the logits ``[T, V/tp]``
+    of ``logit_rows``. ``input_ids``/``position_ids`` are ``[1, L]``."""
+    decoder_input = gpt.embedding(input_ids=input_ids, position_ids=position_ids) if gpt.pre_process else None
+    positions = position_ids[0]
+    table = gpt.rotary_pos_emb(int(positions.max()) + 1)  # [max_pos, 1, 1, head_dim]
+    rotary = table.index_select(0, positions.to(table.device))
+    hidden = gpt.decoder(hidden_states=decoder_input, attention_mask=block_causal_mask(segment),
+                         rotary_pos_emb=rotary)
+    if not gpt.post_process:
+        return hidden
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    logits, _ = gpt.output_layer(hidden.index_select(0, logit_rows), weight=weight)
+    return logits[:, 0]

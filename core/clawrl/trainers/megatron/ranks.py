@@ -1,0 +1,390 @@
+"""``MegatronRanks``: what every trainer rank runs, in lockstep (SPMD).
+
+Every rank receives the same command with the same arguments (the driver's control channel
+broadcasts them) and calls the same method; collectives inside keep them in step. Rank 0's return
+value is the answer. The process group (``torch.distributed``'s default world) must exist before
+construction: ``clawrl.cluster.rank_main`` forms it under torchrun, tests form it themselves.
+
+One train step, for a batch of samples that every rank sees whole:
+
+1. Every rank packs the whole batch the same way: the samples are dealt to data-parallel ranks
+   (balanced by tokens), then each rank's share is packed into micro-batches of at most
+   ``train.micro_batch_tokens`` tokens. Method advantages, metrics and the aggregation denominator
+   are computed over the whole batch, so they are identical everywhere and equal the torch
+   backend's.
+2. A forward-only pass through megatron's pipeline schedule gives pi_old (and the reference) on
+   the last stage; then forward/backward (1F1B with PP) with the shared ``Objective`` on
+   vocab-parallel logits. The schedule divides each micro-batch loss by the number of
+   micro-batches and DDP averages gradients over data-parallel ranks; the loss is scaled by both
+   so the accumulated gradient is exactly the gradient of the global loss.
+3. The megatron optimizer (DDP with the distributed optimizer by default) steps unless the loss or
+   the global gradient norm is not finite.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from clawrl.config import ClawrlConfig
+from clawrl.losses import aggregation_denominator
+from clawrl.losses.vocab_parallel import (vocab_parallel_token_entropy, vocab_parallel_token_logprobs,
+                                          vocab_parallel_topk_logprobs)
+from clawrl.samples import Sample
+from clawrl.trainers.batching import MicroBatch, build_micro_batch, check_sample, pack, sample_metrics
+from clawrl.trainers.megatron import convert
+from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
+from clawrl.trainers.objective import Objective, StepStats
+
+log = logging.getLogger(__name__)
+
+
+class ShardLogits:
+    """``VocabOps`` over this rank's vocabulary shard ``[T, V/tp]`` (already temperature-scaled)."""
+
+    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, vocab_start: int, group):
+        self.logits, self.temperature, self.vocab_start, self.group = logits, temperature, vocab_start, group
+
+    def logprobs(self, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_token_logprobs(self.logits, targets, self.vocab_start, self.group)
+
+    def entropy(self) -> torch.Tensor:
+        return vocab_parallel_token_entropy(self.logits, self.group)
+
+    def topk_logprobs_t1(self, ids: torch.Tensor) -> torch.Tensor:
+        unscaled = self.logits * self.temperature.to(self.logits.dtype)[:, None]
+        return vocab_parallel_topk_logprobs(unscaled, ids, self.vocab_start, self.group)
+
+
+def deal_to_ranks(samples: list[Sample], ranks: int) -> list[list[int]]:
+    """Sample indices per data-parallel rank: longest first onto the least-loaded rank (by tokens),
+    each rank's share kept in batch order. Deterministic, so every rank computes the same split."""
+    order = sorted(range(len(samples)), key=lambda i: -(len(samples[i].prompt_ids) + len(samples[i].response_ids)))
+    load, shares = [0] * ranks, [[] for _ in range(ranks)]
+    for i in order:
+        r = min(range(ranks), key=lambda k: (load[k], k))
+        shares[r].append(i)
+        load[r] += len(samples[i].prompt_ids) + len(samples[i].response_ids)
+    return [sorted(s) for s in shares]
+
+
+class MegatronRanks:
+    """See the module docstring. ``dtype`` overrides the parameter dtype (default: float32 on CPU,
+    bfloat16 with float32 main weights on CUDA)."""
+
+    def __init__(self, cfg: ClawrlConfig, model_path: str, dtype: torch.dtype | None = None):
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronRanks needs torch.distributed initialised (torchrun or a test harness)")
+        self.cuda = torch.cuda.is_available()
+        if not self.cuda:
+            from clawrl.trainers.megatron import cpu_shims
+
+            cpu_shims.install()
+        self.cfg, self.train_cfg = cfg, cfg.train
+        cluster = cfg.cluster
+        self.arch = convert.read_arch(model_path)
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=cluster.tp,
+                                         pipeline_model_parallel_size=cluster.pp)
+        self.ps = ps
+        self.tp, self.pp = cluster.tp, cluster.pp
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        if self.cuda:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            torch.manual_seed(cfg.seed)
+            model_parallel_cuda_manual_seed(cfg.seed)
+        else:
+            from clawrl.trainers.megatron.cpu_shims import seed_cpu
+
+            seed_cpu(cfg.seed, self.tp_rank)
+        self.dtype = dtype or (torch.bfloat16 if self.cuda else torch.float32)
+        self.config = transformer_config(self.arch, self.tp, self.pp, self.dtype, self.cuda)
+        self.te = layer_spec_kind() == "transformer-engine"
+        self.gpt = self._load_gpt(model_path)
+        self.ref_gpt = None
+        self.objective = Objective(cfg)
+        if self.objective.needs_reference:
+            # Full fine-tuning moves every weight: the KL reference is a frozen copy of the start.
+            self.ref_gpt = self._load_gpt(model_path).eval().requires_grad_(False)
+        self.model, self.optimizer = self._wrap_for_training(self.gpt)
+        self.vocab_start = self.tp_rank * (self.arch.vocab // self.tp)
+        self.coords = self._all_coords()
+        self.step = 0
+        self.bad_steps = 0
+        self.paused_reason: str | None = None
+        self.keep_grads_once, self.kept_grads = False, None
+        if dist.get_rank() == 0:
+            log.info("megatron trainer: %s, %s spec, tp=%d pp=%d dp=%d, %s, %s optimizer", model_path,
+                     layer_spec_kind(), self.tp, self.pp, self.dp, str(self.dtype).removeprefix("torch."),
+                     "distributed" if cluster.distributed_optimizer else "replicated")
+
+    # ---------------------------------------------------------------- setup
+
+    def _load_gpt(self, model_path: str):
+        gpt = build_gpt(self.arch, self.config, self.first_stage, self.last_stage)
+        state = convert.load_stage(self.arch, convert.HFTensors(model_path).get, self.pp_rank, self.pp, self.tp,
+                                   self.tp_rank, te_names=self.te)
+        missing, unexpected = gpt.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise convert.ConversionError(f"weights do not fit the megatron model: missing {missing[:3]}, "
+                                          f"unexpected {list(unexpected)[:3]}")
+        return gpt.to(self.device)
+
+    def _wrap_for_training(self, gpt):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        distributed = self.cfg.cluster.distributed_optimizer
+        ddp = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=distributed),
+            module=gpt)
+        train = self.train_cfg
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=train.lr, weight_decay=train.weight_decay, adam_beta1=0.9,
+                                  adam_beta2=0.999, adam_eps=1e-8, clip_grad=train.grad_clip,
+                                  bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                                  use_distributed_optimizer=distributed)
+        optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = ddp.no_sync
+        return ddp, optimizer
+
+    def _all_coords(self) -> list[tuple[int, int, int]]:
+        """(pp, tp, dp) of every global rank, so any rank can find a parameter's owner."""
+        coords = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (self.pp_rank, self.tp_rank, self.dp_rank))
+        return coords
+
+    def _rank_of(self, pp: int, tp: int, dp: int) -> int:
+        return self.coords.index((pp, tp, dp))
+
+    # ---------------------------------------------------------------- batches
+
+    def _batches(self, samples: list[Sample]) -> list[list[MicroBatch]]:
+        """Micro-batches of every data-parallel rank (identical on every rank)."""
+        out = []
+        for share in deal_to_ranks(samples, self.dp):
+            mine = [samples[i] for i in share]
+            out.append([build_micro_batch([mine[i] for i in g], self.device, self.objective.topk)
+                        for g in pack(mine, self.train_cfg.micro_batch_tokens)] if mine else [])
+        return out
+
+    @staticmethod
+    def _idle_batch(like: MicroBatch) -> MicroBatch:
+        """A data-parallel rank with no sample still joins the collectives: one micro-batch that
+        trains nothing (its loss mask is zero)."""
+        from dataclasses import replace
+
+        return replace(like, loss_mask=torch.zeros_like(like.loss_mask))
+
+    def _run(self, model, batches: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
+        """Megatron's schedule (1F1B with PP) over ``batches``; ``loss_fn(logits, mb)`` runs on the
+        last stage and returns ``(loss, info)``; the infos come back in micro-batch order."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iterator, module):
+            mb = next(data_iterator)
+            gpt = module.module if hasattr(module, "module") else module
+            out = packed_forward(gpt, mb.input_ids, mb.position_ids, mb.segment, mb.logit_rows)
+            if not self.last_stage:
+                return out, None
+            return out, lambda logits: loss_fn(logits, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(batches), model=[model], num_microbatches=len(batches),
+            seq_length=max(mb.num_tokens for mb in batches), micro_batch_size=1, forward_only=forward_only) or []
+
+    def _scaled_logits(self, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if bool((mb.temperature != 1.0).any()):
+            logits = logits / mb.temperature.to(logits.dtype)[:, None]
+        return logits
+
+    # ---------------------------------------------------------------- commands
+
+    def logprobs(self, samples: list[Sample]) -> list[list[float]] | None:
+        """Per-response-token logprobs of each sample under the current weights, in sample order
+        (every data-parallel rank scores its share; rank 0 returns them all)."""
+        for s in samples:
+            check_sample(s, self.arch.vocab)
+        shares = deal_to_ranks(samples, self.dp)
+        batches = self._batches(samples)
+        mine = batches[self.dp_rank] or [self._idle_batch(next(b for bs in batches for b in bs))]
+        self.model.eval()
+        with torch.no_grad():
+            infos = self._run(self.model, mine, lambda logits, mb: (
+                logits.sum() * 0, {"lp": ShardLogits(self._scaled_logits(logits, mb), mb.temperature,
+                                                     self.vocab_start, self.tp_group).logprobs(mb.targets).cpu(),
+                                   "cu": mb.cu_seqlens.tolist()}), forward_only=True)
+        local = []
+        if self.last_stage and self.tp_rank == 0 and batches[self.dp_rank]:
+            for info in infos:
+                lps, cu = info["lp"].tolist(), info["cu"]
+                local += [lps[a:b] for a, b in zip(cu[:-1], cu[1:])]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.pp_rank, self.tp_rank, self.dp_rank, local))
+        out: list = [None] * len(samples)
+        for pp, tp, dp, values in gathered:
+            if pp == self.pp - 1 and tp == 0 and values:
+                for i, v in zip(shares[dp], values):
+                    out[i] = v
+        return out if dist.get_rank() == 0 else None
+
+    def train_step(self, samples: list[Sample], weight_version: int) -> dict:
+        """One optimizer step; returns ``StepResult`` fields (``ok``, ``metrics``, ``skipped_reason``)."""
+        if self.paused_reason:
+            return {"ok": False, "metrics": {}, "skipped_reason": "paused"}
+        if not samples:
+            return {"ok": False, "metrics": {}, "skipped_reason": "no_trainable_tokens"}
+        for s in samples:
+            check_sample(s, self.arch.vocab)
+        started = time.perf_counter()
+        mode = self.objective.loss_cfg.aggregation
+        per_rank = self._batches(samples)
+        everything = [mb for bs in per_rank for mb in bs]
+        metrics = {**self.objective.apply_method_advantages(everything)}
+        metrics = {**sample_metrics(samples, weight_version, everything), **metrics}
+        metrics["micro_batches"] = max(len(bs) for bs in per_rank)
+        denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in everything)
+        if denominator <= 0:
+            return {"ok": False, "metrics": metrics, "skipped_reason": "no_trainable_tokens"}
+        mine = per_rank[self.dp_rank] or [self._idle_batch(everything[0])]
+        trained = float(sum(float(mb.loss_mask.sum()) for mb in everything))
+
+        # pi_old (and the reference) on the last stage, before any gradient.
+        self.model.eval()
+
+        def old_pass(logits, mb):
+            ops = ShardLogits(self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group)
+            old = ops.logprobs(mb.targets)
+            return logits.sum() * 0, {"old": old, "entropy_sum": float((ops.entropy() * mb.loss_mask).sum()),
+                                      "gap": float(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())}
+
+        with torch.no_grad():
+            old_infos = self._run(self.model, mine, old_pass, forward_only=True)
+            ref_infos = (self._run(self.ref_gpt, mine, lambda logits, mb: (logits.sum() * 0, {"old": ShardLogits(
+                self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group).logprobs(mb.targets)}),
+                forward_only=True) if self.ref_gpt is not None else [])
+        olds = [i["old"] for i in old_infos]
+        refs = [i["old"] for i in ref_infos] or [None] * len(olds)
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stats = StepStats()
+        scale = float(len(mine) * self.dp)  # undo the schedule's 1/micro-batches and DDP's 1/dp
+        position = iter(range(len(mine)))
+
+        def train_pass(logits, mb):
+            k = next(position)
+            ops = ShardLogits(self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group)
+            loss, sums = self.objective.loss(ops, mb, olds[k], refs[k], denominator)
+            stats.add(float(loss.detach()), sums)
+            return loss * scale, {}
+
+        self._run(self.model, mine, train_pass, forward_only=False)
+        if self.keep_grads_once:
+            # parity checks read the reduced gradients before the optimizer touches them
+            self.kept_grads = {n: t.cpu() for n, t in self.iter_hf_weights(grads=True)}
+            self.keep_grads_once = False
+
+        # Metrics live on the last stage's first TP rank of each data-parallel rank: sum them.
+        local = (stats.loss, stats.sums,
+                 sum(i["entropy_sum"] for i in old_infos), max([i["gap"] for i in old_infos], default=0.0))
+        owner = self.last_stage and self.tp_rank == 0 and bool(per_rank[self.dp_rank])
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local if owner else None)
+        total, entropy_sum, gap = StepStats(), 0.0, 0.0
+        for item in gathered:
+            if item is not None:
+                part = StepStats()
+                part.add(item[0], item[1])
+                total.merge(part)
+                entropy_sum += item[2]
+                gap = max(gap, item[3])
+        metrics["entropy"] = entropy_sum / max(trained, 1.0)
+        metrics["rollout_logprob_gap_max"] = gap
+        metrics.update(total.metrics(trained))
+        if not math.isfinite(total.loss):
+            return self._skip(metrics, "nonfinite_loss")
+
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        metrics["grad_norm"] = grad_norm
+        if not math.isfinite(grad_norm):
+            return self._skip(metrics, "nonfinite_grad")
+        if self.train_cfg.grad_clip > 0:
+            self.optimizer.clip_grad_norm(self.train_cfg.grad_clip)
+        self.optimizer.step_with_ready_grads()
+        self.step += 1
+        self.bad_steps = 0
+        metrics.update(step=self.step, lr=self.train_cfg.lr, step_seconds=time.perf_counter() - started)
+        return {"ok": True, "metrics": metrics, "skipped_reason": None}
+
+    def _skip(self, metrics: dict, reason: str) -> dict:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.bad_steps += 1
+        if self.bad_steps >= self.train_cfg.max_bad_steps:
+            self.paused_reason = (f"{self.bad_steps} train steps in a row had a non-finite loss or gradient "
+                                  f"(train.max_bad_steps={self.train_cfg.max_bad_steps})")
+        metrics["bad_steps"] = self.bad_steps
+        return {"ok": False, "metrics": metrics, "skipped_reason": reason, "paused_reason": self.paused_reason}
+
+    def clear_pause(self) -> None:
+        self.paused_reason = None
+
+    # ---------------------------------------------------------------- weights
+
+    def iter_hf_weights(self, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors, one Megatron parameter at a time: the owning stage gathers that
+        parameter's TP shards, and its first rank sends the HF tensors to global rank 0, which
+        yields them. A collective: every rank must exhaust it; only rank 0 yields anything.
+        ``grads``: the reduced gradients instead of the weights (parity checks; data parallel 1)."""
+        me = dist.get_rank()
+        params = dict(self.gpt.named_parameters())
+        for entry in convert.plan(self.arch, self.pp, te_names=self.te):
+            owner = self._rank_of(entry.stage, 0, 0)
+            tensors: list[tuple[str, torch.Tensor]] = []
+            if entry.stage == self.pp_rank and self.dp_rank == 0:
+                param = params[entry.name]
+                local = (param.main_grad if grads else param).detach().to(self.dtype)
+                shards = [torch.empty_like(local) for _ in range(self.tp)]
+                dist.all_gather(shards, local.contiguous(), group=self.tp_group)
+                if self.tp_rank == 0:
+                    tensors = list(convert.hf_tensors(entry, self.arch, convert.unshard(entry, shards)))
+            if owner == 0:
+                if me == 0:
+                    yield from tensors
+                continue
+            for name in entry.hf_names:
+                if me == owner:
+                    tensor = dict(tensors)[name].contiguous()
+                    shape = torch.tensor([tensor.dim(), *tensor.shape] + [0] * (4 - tensor.dim()), dtype=torch.long)
+                    dist.send(shape.to(self.device), dst=0)
+                    dist.send(tensor, dst=0)
+                elif me == 0:
+                    shape = torch.zeros(5, dtype=torch.long, device=self.device)
+                    dist.recv(shape, src=owner)
+                    dims = shape.tolist()[1:1 + int(shape[0])]
+                    tensor = torch.empty(dims, dtype=self.dtype, device=self.device)
+                    dist.recv(tensor, src=owner)
+                    yield name, tensor
+
+    def hf_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole HF state on rank 0 (tests and ``check-parallel`` only: it is a full copy)."""
+        out = {name: t.cpu() for name, t in self.iter_hf_weights()}
+        return out if dist.get_rank() == 0 else None
