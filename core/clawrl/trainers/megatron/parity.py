@@ -115,7 +115,9 @@ def _rank_main(rank: int, world: int, port: int, cfg: ClawrlConfig, model_path: 
 
         ranks = MegatronRanks(cfg, model_path, dtype=torch.float32)
         lps = ranks.logprobs(samples)
-        ranks.keep_grads_once = True
+        # with data parallelism the distributed optimizer reduce-scatters gradients: each rank holds
+        # a shard, so only dp=1 layouts compare gradients (the weights after the step still do)
+        ranks.keep_grads_once = ranks.dp == 1
         result = ranks.train_step(samples, 0)
         weights = ranks.hf_state()
         if rank == 0:
@@ -158,8 +160,8 @@ def run_torch(cfg: ClawrlConfig, model_path: str, samples: list[Sample]) -> dict
 def compare(ref: dict, meg: dict, layout: str) -> ParityReport:
     lp = max((abs(a - b) for ra, rb in zip(ref["logprobs"], meg["logprobs"]) for a, b in zip(ra, rb)), default=0.0)
     loss = abs(ref["result"].metrics["loss"] - meg["result"]["metrics"]["loss"])
-    grad_rel, worst_grad = 0.0, ""
-    for name, g in ref["grads"].items():
+    grad_rel, worst_grad = 0.0, "" if meg["grads"] is not None else "not compared: dp > 1 shards gradients"
+    for name, g in (ref["grads"] if meg["grads"] is not None else {}).items():
         other = meg["grads"].get(name)
         if other is None:  # a tied lm_head is the embedding's gradient
             continue
