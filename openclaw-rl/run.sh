@@ -4,8 +4,17 @@
 #
 #   bash openclaw-rl/run.sh [key=value ...]        e.g. model.path=/models/Qwen3-1.7B train.lr=1e-6
 #
-# Hydra-style overrides pass straight through and win over config.yaml. Multi-node variables
-# (MASTER_ADDR, WORLD_SIZE, ...) are inherited untouched by the exec'd server.
+# Hydra-style overrides pass straight through and win over config.yaml.
+#
+# Several nodes (trainer.backend=megatron; docs/multi_node.md): run this same script on every node.
+# These pass through to `clawrl serve`, which decides what this node runs: node 0 serves the endpoint
+# and drives training, every other node runs only its trainer ranks (the torch backend ignores them).
+#   NNODES              nodes in the run (default 1)
+#   NODE_RANK           this node, 0..NNODES-1 (default 0)
+#   MASTER_ADDR         node 0's address, reachable from every node (required when NNODES > 1)
+#   MASTER_PORT         node 0's rendezvous port (default 29500; on one machine, a free port)
+#   GPUS_PER_NODE       trainer ranks on this node (default: its CUDA devices)
+#   CLAWRL_CLUSTER_KEY  key of node 0's control channel to its trainer ranks (default: random per run)
 set -euo pipefail
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
