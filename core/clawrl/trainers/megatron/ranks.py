@@ -76,8 +76,12 @@ class MegatronRanks:
     """See the module docstring. ``dtype`` overrides the parameter dtype (default: float32 on CPU,
     bfloat16 with float32 main weights on CUDA)."""
 
-    def __init__(self, cfg: ClawrlConfig, model_path: str, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ClawrlConfig, model_path: str | None = None, dtype: torch.dtype | None = None):
         from megatron.core import parallel_state as ps
+
+        model_path = model_path or cfg.model.path
+        if not model_path:
+            raise RuntimeError("MegatronRanks needs a model directory (model.path; the driver resolves the default)")
 
         if not dist.is_initialized():
             raise RuntimeError("MegatronRanks needs torch.distributed initialised (torchrun or a test harness)")
@@ -124,6 +128,7 @@ class MegatronRanks:
         self.bad_steps = 0
         self.paused_reason: str | None = None
         self.keep_grads_once, self.kept_grads = False, None
+        self._sender = None  # weight-sync sender on rank 0, kept while its group works
         if dist.get_rank() == 0:
             log.info("megatron trainer: %s, %s spec, tp=%d pp=%d dp=%d, %s, %s optimizer", model_path,
                      layer_spec_kind(), self.tp, self.pp, self.dp, str(self.dtype).removeprefix("torch."),
@@ -388,3 +393,83 @@ class MegatronRanks:
         """The whole HF state on rank 0 (tests and ``check-parallel`` only: it is a full copy)."""
         out = {name: t.cpu() for name, t in self.iter_hf_weights()}
         return out if dist.get_rank() == 0 else None
+
+    def send_weights(self, version: int, endpoint) -> None:
+        """Stream the weights to the engine(s) behind ``endpoint`` (``clawrl.weight_transport``):
+        every rank joins the per-parameter gathers; rank 0 sends HF-named buckets as they fill."""
+        tensors = self.iter_hf_weights()
+        if dist.get_rank() != 0:
+            for _ in tensors:
+                pass
+            return
+        from clawrl.weight_transport import BucketSender
+
+        if self._sender is None or self._sender.endpoint != endpoint:
+            if self._sender is not None:
+                self._sender.close()
+            self._sender = BucketSender(endpoint)
+        try:
+            self._sender.send(version, tensors)
+        except Exception:
+            for _ in tensors:  # the other ranks are still gathering: finish the collective walk
+                pass
+            raise
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _optimizers(self) -> list:
+        """The distributed optimizers inside megatron's ChainedOptimizer (one per parameter group kind)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _layout(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world": dist.get_world_size(),
+                "distributed_optimizer": self.cfg.cluster.distributed_optimizer}
+
+    def state_dict(self) -> dict | None:
+        """Every rank's own shard (weights, optimizer), gathered on rank 0 in the ``Trainer`` state
+        shape: ``weights`` keyed ``rank<r>/<megatron name>`` and the rest under ``optimizer``."""
+        weights = {f"rank{dist.get_rank()}/{k}": v.detach().cpu().clone()
+                   for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+        # Each rank's own optimizer shard as it is: the inner torch optimizer's state (Adam moments
+        # and steps of the main-parameter shards this rank owns) and, for bf16 models, the float32
+        # main parameters. Plain and exact for the same layout; megatron's resharding formats are
+        # not used (they do not round-trip with the torch Adam fallback in 0.16).
+        optimizer = []
+        for part in self._optimizers():
+            entry = {"inner": part.optimizer.state_dict()}
+            main = getattr(part, "shard_fp32_from_float16_groups", None)
+            if main:
+                entry["main"] = [[t.detach().cpu().clone() for t in group] for group in main]
+            optimizer.append(entry)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (weights, optimizer))
+        if dist.get_rank() != 0:
+            return None
+        return {"kind": "megatron", "layout": self._layout(),
+                "weights": {k: v for w, _ in gathered for k, v in w.items()},
+                "optimizer": [o for _, o in gathered], "step": self.step, "bad_steps": self.bad_steps,
+                "rng": {"torch": torch.get_rng_state()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s result (every rank takes its own part). The layout must be
+        the one the checkpoint was written with (resharding is not supported)."""
+        if state.get("kind") != "megatron":
+            raise ValueError(f"checkpoint holds {state.get('kind')} weights, not a megatron trainer's")
+        if state.get("layout") != self._layout():
+            raise ValueError(f"checkpoint layout {state.get('layout')} differs from this run's {self._layout()}; "
+                             "resume with the same cluster.tp, cluster.pp and number of ranks")
+        prefix = f"rank{dist.get_rank()}/"
+        mine = {k[len(prefix):]: v for k, v in state["weights"].items() if k.startswith(prefix)}
+        missing, unexpected = self.gpt.load_state_dict({k: v.to(self.device) for k, v in mine.items()}, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint shard does not fit rank {dist.get_rank()}: missing {missing[:3]}, "
+                             f"unexpected {list(unexpected)[:3]}")
+        with torch.no_grad():
+            for part, entry in zip(self._optimizers(), state["optimizer"][dist.get_rank()]):
+                part.optimizer.load_state_dict(entry["inner"])
+                for group, saved in zip(getattr(part, "shard_fp32_from_float16_groups", None) or [],
+                                        entry.get("main", [])):
+                    for target, value in zip(group, saved):
+                        target.copy_(value.to(target.device))
+        self.step, self.bad_steps = int(state["step"]), int(state.get("bad_steps", 0))
