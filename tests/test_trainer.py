@@ -183,9 +183,11 @@ def test_malformed_sample_is_refused_by_name(model_dir):
         trainer.train_step([s], 0)
 
 
-def test_megatron_backend_is_a_clear_error(model_dir):
-    with pytest.raises(TrainerError, match="megatron backend not built yet"):
-        make_trainer(compose(["trainer.backend=megatron"]), str(model_dir))
+def test_megatron_layout_that_does_not_divide_the_model_is_refused_before_any_rank_starts(model_dir, tmp_path):
+    cfg = compose(["trainer.backend=megatron", "cluster.tp=3", f"run_dir={tmp_path}"])
+    with pytest.raises(TrainerError, match="cluster.tp=3 does not divide the 4 attention heads"):
+        make_trainer(cfg, str(model_dir))
+    assert not (tmp_path / "cluster").exists()  # no torchrun agent was started
 
 
 def test_staleness_and_reward_metrics_describe_the_batch(model_dir):

@@ -106,15 +106,18 @@ class BroadcastWeightSync(WeightTransport):
     on CUDA. ``close()`` releases the store and the group.
     """
 
-    def __init__(self, engine: Engine, cluster: ClusterConfig, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, engine: Engine, cluster: ClusterConfig, host: str = "127.0.0.1", port: int = 0,
+                 backend: str | None = None):
         info = engine.model_info()
         self.engine = engine
         self.version = info.weight_version
         self.last_sync_ms: float | None = None
         self.served = ServedWeights.of_model_dir(info.path)
         device = torch.device(info.device)
-        self._backend = "nccl" if device.type == "cuda" else "gloo"
-        self._device = device if device.type == "cuda" else torch.device("cpu")
+        # NCCL cannot join two processes on one GPU: a caller whose sender shares the engine's GPU
+        # passes backend="gloo" (staged through host memory).
+        self._backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        self._device = device if self._backend == "nccl" else torch.device("cpu")
         self._timeout_s = float(cluster.timeout_s)
         self._bucket_bytes = int(cluster.bucket_mb) * MB
         if self._timeout_s <= 0 or self._bucket_bytes <= 0:

@@ -159,7 +159,7 @@ class ControlServer:
                 self._check_ranks()
                 if time.monotonic() > deadline:
                     raise ClusterError(f"trainer rank 0 sent no reply to {what} within {timeout:g} s")
-            return conn.recv()
+            return pickle.loads(conn.recv_bytes())  # plain pickles (see rank_main._dumps)
         except (EOFError, OSError):
             raise ClusterError(self._lost(what)) from None
 
@@ -185,7 +185,7 @@ class ControlServer:
                     self._seq += 1
                     self._conn.send_bytes(pickle.dumps((SHUTDOWN, self._seq)))
                     if self._conn.poll(max(0.0, deadline - time.monotonic())):
-                        self._conn.recv()  # rank 0's acknowledgement: every rank has left its loop
+                        pickle.loads(self._conn.recv_bytes())  # rank 0's acknowledgement: every rank has left its loop
                 except (EOFError, OSError):
                     pass
                 self._conn.close()

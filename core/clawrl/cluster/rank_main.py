@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     program, error = _build(args.program, cfg)
     error = _first_failure(control, error, f"building {args.program}")
     if conn is not None:
-        conn.send({"world_size": dist.get_world_size(), "error": error})
+        conn.send_bytes(_dumps({"world_size": dist.get_world_size(), "error": error}))
     if error:
         log.error("%s", error)
         return 1
@@ -197,10 +197,16 @@ def _broadcast_bytes(payload: bytes | None, group) -> bytes:
     return payload if payload is not None else data.numpy().tobytes()
 
 
+def _dumps(obj) -> bytes:
+    """Plain pickle: ``Connection.send`` would use torch's multiprocessing reductions, which pass
+    tensors as shared-memory handles the driver cannot open (another host, another authkey)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _try_send(conn: Connection, reply) -> bool:
     """False only when ``reply`` does not pickle; a driver that is gone shows at the next read."""
     try:
-        conn.send(reply)
+        conn.send_bytes(_dumps(reply))
         return True
     except (OSError, EOFError):
         return True

@@ -101,6 +101,7 @@ class Learner:
 
         model_path = str(self.engine.model_info().path)
         self.trainer = make_trainer(self.cfg, model_path)
+        self.sync = self.trainer.weight_sync(self.engine)  # in-process, or streamed from trainer ranks
         resumed = self.checkpoints.resume(self.trainer)
         if resumed is not None:
             self._resume_step, self._resume_version = resumed.step, resumed.weight_version
@@ -167,6 +168,11 @@ class Learner:
             await self.opd.stop()
         if self.judge_engine is not None:
             await self.judge_engine.shutdown()
+        if self.trainer is not None:
+            close_sync = getattr(self.sync, "close", None)
+            if close_sync is not None:
+                close_sync()
+            await asyncio.to_thread(self.trainer.close)
         self.metrics.close()
 
     # ---------------------------------------------------------------- pause / resume

@@ -1,7 +1,7 @@
 """The Trainer interface: what the orchestrator asks of a training backend.
 
-Kept small on purpose so a Megatron backend can slot in later: one optimizer step on a list of
-``Sample``s, the weights to serve, and a checkpointable state. The orchestrator owns the loop
+Kept small on purpose so backends slot in: one optimizer step on a list of ``Sample``s, the
+weights to serve (and how they travel: ``weight_sync``), and a checkpointable state. The orchestrator owns the loop
 (when to step, when to push weights, when to save); a trainer owns only the model and optimizer.
 """
 from __future__ import annotations
@@ -69,6 +69,15 @@ class Trainer(abc.ABC):
         """Let training continue after ``paused_reason`` was set (an operator decision)."""
         self.paused_reason = None
 
+    def weight_sync(self, engine):
+        """How this trainer's weights reach ``engine``: by default a copy in this process."""
+        from clawrl.weight_sync import InProcessWeightSync
+
+        return InProcessWeightSync(engine)
+
+    def close(self) -> None:
+        """Release what the trainer holds beyond this process (trainer ranks); a no-op here."""
+
 
 def make_trainer(cfg: "ClawrlConfig", model_path: str) -> Trainer:
     """The trainer ``cfg.trainer.backend`` names, training a copy of the model at ``model_path``
@@ -79,5 +88,12 @@ def make_trainer(cfg: "ClawrlConfig", model_path: str) -> Trainer:
 
         return TorchTrainer(cfg, model_path)
     if backend == "megatron":
-        raise TrainerError("megatron backend not built yet; use trainer.backend=torch")
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            raise TrainerError("trainer.backend=megatron needs megatron-core: pip install 'clawrl[megatron]' "
+                               "(megatron-core 0.16 to 0.19)") from None
+        from clawrl.trainers.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(cfg, model_path)
     raise TrainerError(f"unknown trainer.backend '{backend}'; choose one of {', '.join(BACKENDS)}")
