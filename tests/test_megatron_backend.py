@@ -7,6 +7,8 @@ float32 rounding.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -61,11 +63,29 @@ def _check(model_dir, *overrides, world=None):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_the_torch_backend_on_the_tiny_model(tiny_model_dir):
-    report = _check(tiny_model_dir, "cluster.tp=2")
-    assert report.logprob_max_abs <= 1e-5 and report.loss_abs <= 1e-5
-    assert report.grad_max_rel <= 1e-4, report.worst_grad
-    assert report.ok, report.lines()
+def test_check_parallel_cli_reports_tp2_parity_on_the_tiny_model(tiny_model_dir):
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "check-parallel", f"model.path={tiny_model_dir}"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "layout: tp=2 pp=1 dp=1 (2 ranks)" in out.stdout and "parity: OK" in out.stdout
+    logprob = float(re.search(r"logprobs\s+max \|diff\| (\S+)", out.stdout).group(1))
+    grads = float(re.search(r"gradients\s+max rel\s+(\S+)", out.stdout).group(1))
+    assert logprob <= 1e-5 and grads <= 1e-4
+
+
+def test_check_parallel_cli_refuses_a_layout_that_does_not_divide_the_model(tiny_model_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "check-parallel", f"model.path={tiny_model_dir}",
+                          "cluster.tp=3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "clawrl: cluster.tp=3 does not divide the 4 attention heads of " \
+                                                   "clawrl-tiny"
 
 
 @pytest.mark.slow

@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="watch a method learn a simulated user's hidden preference")
     d.add_argument("overrides", nargs="*", help="method=rl and key=value overrides (demo.*, train.*, ...)")
 
+    cp = sub.add_parser("check-parallel", help="check that the megatron backend at a parallel layout matches "
+                                               "the torch backend (default: the tiny model at cluster.tp=2)")
+    cp.add_argument("overrides", nargs="*", help="key=value overrides: model.path, cluster.tp, cluster.pp, "
+                                                 "cluster.procs_per_node (ranks; the rest is data parallel)")
+
     rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")
     rb.add_argument("--run-dir", required=True)
     rb.add_argument("--to", type=int, required=True, metavar="VERSION", help="the weight version to go back to")
@@ -79,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             from clawrl.demo.run import demo_cli
 
             return demo_cli(args)
+        if args.cmd == "check-parallel":
+            from clawrl.trainers.megatron.check_cli import check_parallel_cli
+
+            return check_parallel_cli(args)
         if args.cmd == "rollback":
             from clawrl.checkpoints import rollback_cli
 

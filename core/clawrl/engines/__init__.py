@@ -11,9 +11,15 @@ BACKENDS = ("torch", "sglang")
 
 
 def make_engine(cfg: "ClawrlConfig") -> "Engine":
-    """The engine ``cfg.engine.backend`` names, serving ``cfg.model`` (loaded here)."""
+    """The engine ``cfg.engine.backend`` names, serving ``cfg.model`` (loaded here). With
+    ``cluster.ray=true``, ``cluster.engines`` such engines are placed on a Ray cluster and served
+    through one ``RayEngine`` (each actor builds its own with ``ray`` off)."""
     from clawrl.engines.base import EngineError
 
+    if cfg.cluster.ray:
+        from clawrl.engines.ray_engine import make_ray_engine
+
+        return make_ray_engine(cfg)
     backend = cfg.engine.backend
     if backend == "torch":
         from clawrl.engines.loading import load_model

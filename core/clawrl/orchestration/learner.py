@@ -121,7 +121,8 @@ class Learner:
             # The PRM judge scores with its own frozen engine (judge.model.path, or the base policy as
             # it was before training), so the judge never drifts with the weights it judges.
             model = replace(self.cfg.model, path=self.cfg.judge.model.path or model_path, name=None)
-            self.judge_engine = make_engine(replace(self.cfg, model=model))
+            # a frozen judge is not the served policy: it stays in this process, not on Ray
+            self.judge_engine = make_engine(replace(self.cfg, model=model, cluster=replace(self.cfg.cluster, ray=False)))
         self.worker = JudgeWorker(self.buffer, make_judge(self.cfg.judge, self.judge_engine), self.cfg.judge)
 
     async def start(self) -> None:

@@ -115,7 +115,8 @@ class OpdLearning:
         opd_cfg, model_path = self.cfg.opd, str(self.engine.model_info().path)
 
         def frozen(path: str) -> Engine:
-            return make_engine(replace(self.cfg, model=replace(self.cfg.model, path=path, name=None)))
+            return make_engine(replace(self.cfg, model=replace(self.cfg.model, path=path, name=None),
+                                       cluster=replace(self.cfg.cluster, ray=False)))  # not the served policy
 
         if opd_cfg.teacher != "policy":
             self.teacher_engine = frozen(opd_cfg.teacher)

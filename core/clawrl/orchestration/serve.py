@@ -57,6 +57,35 @@ def provider_snippet(base_url: str, model: str, context_window: int, max_tokens:
     }}}}
 
 
+def _is_driver_node(cfg) -> bool:
+    """NODE_RANK 0 (or no multi-node launch) runs the gateway, engine and learner."""
+    from clawrl.cluster.launch import read_node_env
+
+    return read_node_env(cfg).is_driver
+
+
+def _serve_trainer_ranks_only(cfg) -> int:
+    """NODE_RANK > 0 of a multi-node megatron run: this node's trainer ranks, no gateway. Blocks
+    until the driver on node 0 shuts the ranks down."""
+    import dataclasses
+
+    from clawrl.cli import CliError
+    from clawrl.cluster import ClusterError, run_worker_node
+    from clawrl.trainers.megatron.trainer import PROGRAM
+
+    if cfg.model.path is None:  # the embedded default: built here too (deterministic, cached)
+        from clawrl.embedded.build import default_model_path
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(default_model_path())))
+    print(f"clawrl: NODE_RANK={os.environ.get('NODE_RANK')}: running this node's megatron trainer ranks "
+          "(the gateway runs on NODE_RANK=0)", flush=True)
+    try:
+        run_worker_node(cfg, PROGRAM)
+    except ClusterError as e:
+        raise CliError(str(e).splitlines()[0]) from None
+    return 0
+
+
 def serve_cli(args) -> int:
     import uvicorn
 
@@ -73,6 +102,8 @@ def serve_cli(args) -> int:
     cfg = compose(args.overrides, args.config)
     check_method(cfg.method)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.trainer.backend == "megatron" and cfg.train.enabled and not _is_driver_node(cfg):
+        return _serve_trainer_ranks_only(cfg)
     try:
         check_server_auth(cfg.server)
     except AuthConfigError as e:

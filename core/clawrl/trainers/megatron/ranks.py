@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from typing import Iterator
 
 import torch
@@ -41,6 +42,9 @@ from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_fo
 from clawrl.trainers.objective import Objective, StepStats
 
 log = logging.getLogger(__name__)
+# megatron-core warns once per import, in every rank, that apex/transformer-engine are missing; the
+# backend says which layer spec it uses in its own start line instead.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
 
 
 class ShardLogits:
