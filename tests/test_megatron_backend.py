@@ -89,15 +89,16 @@ def test_check_parallel_cli_refuses_a_layout_that_does_not_divide_the_model(tiny
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_2_matches_the_torch_backend_on_the_tiny_model(tiny_model_dir):
-    report = _check(tiny_model_dir, "cluster.pp=2")
+def test_pipeline_parallel_2_with_activation_recomputation_matches_the_torch_backend(tiny_model_dir):
+    report = _check(tiny_model_dir, "cluster.pp=2", "train.gradient_checkpointing=true")
     assert report.ok, report.lines()
 
 
 @pytest.mark.slow
-def test_tp2_with_qkv_bias_and_grouped_query_attention(qwen2_dir):
-    report = _check(qwen2_dir, "cluster.tp=2", "method=combine")
+def test_tp2_combine_with_topk_distillation_qkv_bias_and_grouped_query_attention(qwen2_dir):
+    report = _check(qwen2_dir, "cluster.tp=2", "method=combine", "opd.topk=4")
     assert report.ok, report.lines()
+    assert report.topk_kl is not None and report.topk_kl[0] == pytest.approx(report.topk_kl[1], abs=1e-5)
 
 
 @pytest.mark.slow

@@ -188,6 +188,9 @@ def test_megatron_layout_that_does_not_divide_the_model_is_refused_before_any_ra
     with pytest.raises(TrainerError, match="cluster.tp=3 does not divide the 4 attention heads"):
         make_trainer(cfg, str(model_dir))
     assert not (tmp_path / "cluster").exists()  # no torchrun agent was started
+    lora = compose(["trainer.backend=megatron", "train.lora.enabled=true", f"run_dir={tmp_path}"])
+    with pytest.raises(TrainerError, match="train.lora.enabled=true needs trainer.backend=torch"):
+        make_trainer(lora, str(model_dir))
 
 
 def test_staleness_and_reward_metrics_describe_the_batch(model_dir):

@@ -11,6 +11,8 @@ megatron-core assumes a GPU in three places that matter for training small model
 - The optimizers and DDP create small bookkeeping tensors with ``device="cuda"`` (overflow flags,
   norms) and call ``.cuda()`` on others. In a process without CUDA, the only possible meaning is the
   CPU, so tensor factories and ``Tensor.cuda`` map a CUDA device to the CPU.
+- Activation recomputation saves and restores CUDA generator states around each recomputed
+  layer; on CPU those are the CPU generator's.
 - Pipeline sends call ``torch.cuda.synchronize()`` around shape exchanges; on CPU, gloo's
   blocking ops are already synchronous, so it is a no-op.
 - The distributed optimizer accepts parameters by their type name (``torch.cuda.FloatTensor``);
@@ -105,6 +107,8 @@ def install() -> None:
         return name.replace("torch.", "torch.cuda.", 1)
 
     torch.Tensor.type = cuda_type_name
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _installed = True

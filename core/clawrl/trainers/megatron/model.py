@@ -34,10 +34,13 @@ def layer_spec_kind() -> str:
     return "transformer-engine" if has_transformer_engine() else "local"
 
 
-def transformer_config(arch: Arch, tp: int, pp: int, dtype: torch.dtype, on_cuda: bool):
+def transformer_config(arch: Arch, tp: int, pp: int, dtype: torch.dtype, on_cuda: bool, recompute: bool = False):
+    """``recompute``: full activation recomputation, one layer at a time (``train.gradient_checkpointing``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
         num_layers=arch.layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
         num_query_groups=arch.kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True, activation_func=F.silu,

@@ -47,6 +47,7 @@ class ParityReport:
     worst_weight: str
     update_max_abs: float
     weight_max_abs_all: float
+    topk_kl: tuple[float, float] | None = None  # (torch, megatron) when the top-k term is active
 
     @property
     def ok(self) -> bool:
@@ -61,13 +62,17 @@ class ParityReport:
                 f"weights    max |diff| {self.weight_max_abs:.3e}  after a step that moved them up to "
                 f"{self.update_max_abs:.3e} (bound {WEIGHT_RTOL:g} of that; worst {self.worst_weight}; "
                 f"{self.weight_max_abs_all:.1e} counting weights whose gradient is below {ADAM_SENSITIVE_BELOW:g})",
+                *([f"top-k KL     torch {self.topk_kl[0]:.6f}  megatron {self.topk_kl[1]:.6f}"] if self.topk_kl else []),
                 "parity: OK" if self.ok else "parity: FAILED"]
 
 
-def synthetic_batch(vocab: int, n: int = 6, seed: int = 0, max_len: int = 24, pad_id: int | None = None) -> list[Sample]:
-    """A deterministic batch with varied lengths, temperatures and signed advantages. The pad token
-    is left out: HF embeddings never train their ``padding_idx`` row, megatron's do, so a prompt
-    holding it would differ there by design."""
+def synthetic_batch(vocab: int, n: int = 6, seed: int = 0, max_len: int = 24, pad_id: int | None = None,
+                    topk: int = 0) -> list[Sample]:
+    """A deterministic batch with varied lengths, temperatures and signed advantages; every other
+    sample also carries a teacher signal (OPD logprobs, and ``topk`` top-k ids and logprobs when
+    ``topk > 0``), so the OPD, top-k and Combine terms are exercised. The pad token is left out:
+    HF embeddings never train their ``padding_idx`` row, megatron's do, so a prompt holding it
+    would differ there by design."""
     rng = random.Random(seed)
 
     def token() -> int:
@@ -85,6 +90,13 @@ def synthetic_batch(vocab: int, n: int = 6, seed: int = 0, max_len: int = 24, pa
             rollout_logprobs=[-rng.uniform(0.5, 6.0) for _ in range(r)], weight_versions=[0] * r,
             reward=1.0 if i % 2 else -1.0, advantage=1.0 if i % 2 else -1.0,
             extra={"temperature": [1.0, 0.7, 1.3][i % 3]}))
+        if i % 2 == 0:
+            ids = [rng.sample(range(vocab), topk) for _ in range(r)]
+            out[-1].extra["opd"] = {
+                "teacher_logprobs": [-rng.uniform(0.1, 4.0) for _ in range(r)],
+                "topk_ids": ids if topk else None,
+                "topk_logprobs": [sorted((-rng.uniform(0.5, 5.0) for _ in range(topk)), reverse=True)
+                                  for _ in range(r)] if topk else None}
     return out
 
 
@@ -178,7 +190,10 @@ def compare(ref: dict, meg: dict, layout: str) -> ParityReport:
             diff = diff * (grad.abs() >= ADAM_SENSITIVE_BELOW)
         if float(diff.max()) > w_abs:
             w_abs, worst_w = float(diff.max()), name
-    return ParityReport(layout, lp, loss, grad_rel, w_abs, worst_grad, worst_w, moved, w_all)
+    topk = None
+    if "topk_kl" in ref["result"].metrics:
+        topk = (ref["result"].metrics["topk_kl"], meg["result"]["metrics"]["topk_kl"])
+    return ParityReport(layout, lp, loss, grad_rel, w_abs, worst_grad, worst_w, moved, w_all, topk)
 
 
 def check_parallel(cfg: ClawrlConfig, model_path: str, world: int | None = None) -> ParityReport:
@@ -190,7 +205,8 @@ def check_parallel(cfg: ClawrlConfig, model_path: str, world: int | None = None)
     import json
 
     pad_id = json.loads((Path(model_path) / "config.json").read_text()).get("pad_token_id")
-    samples = synthetic_batch(read_arch(model_path).vocab, seed=cfg.seed, pad_id=pad_id)
+    topk = cfg.opd.topk if cfg.method != "rl" and cfg.opd.topk_coef > 0 else 0
+    samples = synthetic_batch(read_arch(model_path).vocab, seed=cfg.seed, pad_id=pad_id, topk=topk)
     ref = run_torch(cfg, model_path, samples)
     meg = run_megatron(cfg, model_path, samples, world)
     dp = world // (cfg.cluster.tp * cfg.cluster.pp)

@@ -117,7 +117,8 @@ class MegatronRanks:
 
             seed_cpu(cfg.seed, self.tp_rank)
         self.dtype = dtype or (torch.bfloat16 if self.cuda else torch.float32)
-        self.config = transformer_config(self.arch, self.tp, self.pp, self.dtype, self.cuda)
+        self.config = transformer_config(self.arch, self.tp, self.pp, self.dtype, self.cuda,
+                                         recompute=cfg.train.gradient_checkpointing)
         self.te = layer_spec_kind() == "transformer-engine"
         self.gpt = self._load_gpt(model_path)
         self.ref_gpt = None

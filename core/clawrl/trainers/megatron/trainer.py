@@ -33,6 +33,9 @@ class MegatronTrainer(Trainer):
         from clawrl.cluster.layout import check_layout, describe_layout, read_hf_config
 
         self.cfg = cfg
+        if cfg.train.lora.enabled:
+            raise TrainerError("train.lora.enabled=true needs trainer.backend=torch; the megatron backend trains "
+                               "every weight")
         try:
             from clawrl.cluster.launch import read_node_env
 
