@@ -3,8 +3,7 @@ the engine in the driver, weights streamed between them.
 
 A 2-rank tensor-parallel trainer trains one step and streams its weights into a TorchEngine in
 this process; the engine's greedy output then equals an HF model loaded with the trainer's
-weights. Then a full ``clawrl serve trainer.backend=megatron cluster.tp=2`` run trains from chat
-turns and serves the new version without failing a request.
+weights. (Full ``run.sh`` runs, on one node and on two, are in ``test_megatron_launch.py``.)
 """
 from __future__ import annotations
 
