@@ -184,12 +184,17 @@ class MegatronRanks:
     # ---------------------------------------------------------------- batches
 
     def _batches(self, samples: list[Sample]) -> list[list[MicroBatch]]:
-        """Micro-batches of every data-parallel rank (identical on every rank)."""
+        """Micro-batches of every data-parallel rank (identical on every rank).
+
+        With transformer-engine's spec, attention applies its own causal mask and ignores the
+        block-diagonal one ``packed_forward`` passes, so packed sequences would see each other:
+        there, every sample is a micro-batch of its own (no packing) until the THD packed path
+        has run on a machine with transformer-engine."""
         out = []
         for share in deal_to_ranks(samples, self.dp):
             mine = [samples[i] for i in share]
-            out.append([build_micro_batch([mine[i] for i in g], self.device, self.objective.topk)
-                        for g in pack(mine, self.train_cfg.micro_batch_tokens)] if mine else [])
+            groups = [[i] for i in range(len(mine))] if self.te else pack(mine, self.train_cfg.micro_batch_tokens)
+            out.append([build_micro_batch([mine[i] for i in g], self.device, self.objective.topk) for g in groups])
         return out
 
     @staticmethod
