@@ -23,6 +23,16 @@ from pathlib import Path
 import torch
 
 
+async def median_push(sync, trainer, repeats: int) -> float:
+    """Median seconds of ``repeats`` pushes of ``trainer``'s weights, each as the next version."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        await sync.push(trainer, sync.version + 1)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 async def measure(args, model_dir: str) -> dict:
     from clawrl.config import compose
     from clawrl.engines.base import SamplingParams
@@ -48,12 +58,7 @@ async def measure(args, model_dir: str) -> dict:
         try:
             sync = meg.weight_sync(engine)
             assert (await asyncio.to_thread(meg.train_step, samples, 0)).ok
-            times = []
-            for k in range(args.repeats):
-                started = time.perf_counter()
-                await sync.push(meg, sync.version + 1)
-                times.append(time.perf_counter() - started)
-            out["megatron_s"] = statistics.median(times)
+            out["megatron_s"] = await median_push(sync, meg, args.repeats)
             out["megatron_backend"] = sync.endpoint.backend
             served = (await engine.generate(prompt, greedy)).token_ids
             out["greedy_matches"] = served == hf_greedy(model_dir, meg.export_weights(), prompt, 8)
@@ -61,13 +66,7 @@ async def measure(args, model_dir: str) -> dict:
         finally:
             meg.close()
         torch_trainer = make_trainer(compose(common), model_dir)
-        in_process = InProcessWeightSync(engine)
-        times = []
-        for k in range(args.repeats):
-            started = time.perf_counter()
-            await in_process.push(torch_trainer, in_process.version + 1)
-            times.append(time.perf_counter() - started)
-        out["torch_s"] = statistics.median(times)
+        out["torch_s"] = await median_push(InProcessWeightSync(engine), torch_trainer, args.repeats)
     finally:
         await engine.shutdown()
     return out

@@ -22,6 +22,18 @@ class EngineError(RuntimeError):
     """A request the engine cannot serve (bad ids, too long, engine stopped). Message is one line."""
 
 
+def check_token_ids(ids: Sequence[int], what: str, vocab_size: int) -> list[int]:
+    """``ids`` as a list of ints inside the vocabulary, or ``EngineError`` naming ``what``."""
+    try:
+        out = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise EngineError(f"{what} must be a list of integers") from None
+    bad = next((i for i in out if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise EngineError(f"{what} contains {bad}, outside the vocabulary [0, {vocab_size})")
+    return out
+
+
 class ContextLengthExceeded(EngineError):
     """Prompt plus requested tokens exceed the model's context window."""
 

@@ -33,7 +33,7 @@ import torch
 
 from clawrl.engines.base import (
     ContextLengthExceeded, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams, ScoreResult,
-    TokenChunk,
+    TokenChunk, check_token_ids,
 )
 
 if TYPE_CHECKING:
@@ -200,14 +200,7 @@ class RayEngine(Engine):
             self._outstanding[i] -= 1
 
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
-        try:
-            out = [int(i) for i in ids]
-        except (TypeError, ValueError):
-            raise EngineError(f"{what} must be a list of integers") from None
-        bad = next((i for i in out if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise EngineError(f"{what} contains {bad}, outside the vocabulary [0, {self.vocab_size})")
-        return out
+        return check_token_ids(ids, what, self.vocab_size)
 
     # ------------------------------------------------------------------ control
 

@@ -27,7 +27,7 @@ import torch
 
 from clawrl.config import EngineConfig
 from clawrl.engines.base import (
-    ContextLengthExceeded, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk,
+    ContextLengthExceeded, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk, check_token_ids,
 )
 from clawrl.engines.hf_fallback import HFForward
 from clawrl.engines.loading import LoadedModel
@@ -211,14 +211,7 @@ class TorchEngine(Engine):
         )
 
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
-        try:
-            out = [int(i) for i in ids]
-        except (TypeError, ValueError):
-            raise EngineError(f"{what} must be a list of integers") from None
-        bad = next((i for i in out if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise EngineError(f"{what} contains {bad}, outside the vocabulary [0, {self.vocab_size})")
-        return out
+        return check_token_ids(ids, what, self.vocab_size)
 
     async def _call(self, kind: str, payload=None):
         """Run a command on the scheduler thread and wait for it to be applied."""
