@@ -87,3 +87,41 @@ def test_two_rank_tensor_parallel_trainer_streams_weights_into_the_engine(model_
     assert [r.token_ids for r in after] == expected
     assert expected != before  # the step moved the weights enough to change greedy output (lr 1e-2)
     assert not (tmp_path / "cluster").exists() or os.listdir(tmp_path / "cluster")  # node logs were written
+
+
+@pytest.mark.slow
+def test_a_restarted_megatron_trainer_resumes_from_its_checkpoint(model_dir, tmp_path, monkeypatch):
+    from clawrl.checkpoints import CheckpointStore
+    from clawrl.trainers import make_trainer
+    from clawrl.trainers.megatron.convert import read_arch
+    from clawrl.trainers.megatron.parity import synthetic_batch
+
+    for var in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg = compose(["trainer.backend=megatron", "cluster.tp=2", "cluster.procs_per_node=2", "cluster.timeout_s=120",
+                   "train.lr=1e-2", "train.micro_batch_tokens=64", "train.save_every=1", f"run_dir={tmp_path}",
+                   "model.device=cpu"])
+    samples = synthetic_batch(read_arch(model_dir).vocab, n=4, pad_id=0)
+    store = CheckpointStore(tmp_path, cfg.train)
+    trainer = make_trainer(cfg, str(model_dir))
+    try:
+        assert trainer.train_step(samples, 0).ok
+        saved = store.after_step(trainer, 1)
+        assert saved is not None and (saved / "weights.safetensors").exists()
+        assert trainer.train_step(samples, 1).ok  # the step a restart must reproduce
+        expected = trainer.export_weights()
+    finally:
+        trainer.close()
+
+    restarted = make_trainer(cfg, str(model_dir))  # fresh ranks: base weights until resumed
+    try:
+        resumed = store.resume(restarted)
+        assert resumed.step == 1 and resumed.weight_version == 1 and restarted.step == 1
+        assert restarted.train_step(samples, 1).ok
+        again = restarted.export_weights()
+    finally:
+        restarted.close()
+    assert set(again) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, again[name]), name
