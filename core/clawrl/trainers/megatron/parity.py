@@ -58,7 +58,9 @@ class ParityReport:
         return [f"layout: {self.layout}",
                 f"logprobs   max |diff| {self.logprob_max_abs:.3e}  (bound {LOGPROB_ATOL:g})",
                 f"loss           |diff| {self.loss_abs:.3e}",
-                f"gradients  max rel    {self.grad_max_rel:.3e}  (bound {GRAD_RTOL:g}; worst {self.worst_grad})",
+                (f"gradients  {self.worst_grad} (the weights after the step are compared)"
+                 if self.worst_grad.startswith("not compared") else
+                 f"gradients  max rel    {self.grad_max_rel:.3e}  (bound {GRAD_RTOL:g}; worst {self.worst_grad})"),
                 f"weights    max |diff| {self.weight_max_abs:.3e}  after a step that moved them up to "
                 f"{self.update_max_abs:.3e} (bound {WEIGHT_RTOL:g} of that; worst {self.worst_weight}; "
                 f"{self.weight_max_abs_all:.1e} counting weights whose gradient is below {ADAM_SENSITIVE_BELOW:g})",
