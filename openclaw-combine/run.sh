@@ -28,4 +28,8 @@ export MKL_NUM_THREADS="${MKL_NUM_THREADS:-$OMP_NUM_THREADS}"
 # Tokenizers' own thread pool fights the engine for the same cores and warns after fork.
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 
-exec clawrl serve --config "$DIR/config.yaml" method=combine "$@"
+# `clawrl` is the console script `pip install -e .` installs; in a checkout that is not installed
+# (PYTHONPATH=core, e.g. a GPU image with its own torch) the same entry point runs as a module.
+CLAWRL=(clawrl)
+command -v clawrl >/dev/null 2>&1 || CLAWRL=(python3 -m clawrl.cli)
+exec "${CLAWRL[@]}" serve --config "$DIR/config.yaml" method=combine "$@"
