@@ -134,14 +134,19 @@ def descendants(root: int) -> set[int]:
 
 def processes_of(run_dir: Path) -> set[int]:
     """Live processes whose command line names ``run_dir`` (the ranks' config and logs are under
-    it), whoever their parent is now: an orphaned rank is found too."""
+    it), whoever their parent is now: an orphaned rank is found too. This process and its
+    ancestors are never counted (a wrapper such as ``timeout`` may name ``--run-dir`` too)."""
+    ours, pid = set(), os.getpid()
+    while pid and pid not in ours:
+        ours.add(pid)
+        pid = parent_of(pid) or 0
     mine = set()
-    for pid in live_pids():
+    for pid in set(live_pids()) - ours:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if str(run_dir) in cmdline and parent_of(pid) is not None and pid != os.getpid():
+        if str(run_dir) in cmdline and parent_of(pid) is not None:
             mine.add(pid)
     return mine
 

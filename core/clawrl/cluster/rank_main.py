@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         # (it stops us meanwhile); then skip process-group teardown, which can block on a dead peer.
         time.sleep(3.0)
         os._exit(1)
+    started = time.monotonic()
     dist.destroy_process_group()
+    log.info("control loop ended; process groups destroyed in %.1f s", time.monotonic() - started)
     return 0
 
 

@@ -116,4 +116,8 @@ class MegatronTrainer(Trainer):
         self.paused_reason = None
 
     def close(self) -> None:
+        import time
+
+        started = time.monotonic()
         self.control.shutdown()
+        log.info("megatron trainer ranks stopped in %.1f s", time.monotonic() - started)
