@@ -2,7 +2,10 @@
 
 The layer spec is transformer-engine's when it is importable and megatron's local (pure torch)
 spec otherwise; ``layer_spec_kind`` says which. Both train the same weights; the names of the two
-fused norms differ (``convert.plan(te_names=...)``).
+fused norms differ (``convert.plan(te_names=...)``). In the local spec, the core attention is
+swapped for ``SdpaCoreAttention``: megatron's own materialises the ``[heads, L, L]`` scores and
+probabilities of every layer for backward (an 8192-token row of a 0.6B model ran an H200 out of
+memory), while ``scaled_dot_product_attention`` takes the same mask through fused kernels.
 
 Packing: a micro-batch is one row of concatenated sequences. ``packed_forward`` does what
 ``GPTModel.forward`` does, with two differences that make packing exact on the local spec:
@@ -59,6 +62,30 @@ def transformer_config(arch: Arch, tp: int, pp: int, dtype: torch.dtype, on_cuda
     )
 
 
+def sdpa_core_attention():
+    """A megatron ``DotProductAttention`` whose forward is torch's ``scaled_dot_product_attention``
+    (same inputs, outputs, scale and mask convention; built lazily so megatron stays optional)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SdpaCoreAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None:
+                raise ValueError("SdpaCoreAttention takes a mask, not packed_seq_params or an attention bias")
+            seq, batch = query.shape[0], query.shape[1]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+            groups = q.shape[1] // k.shape[1]
+            if groups > 1:  # a key/value head serves its group's query heads, which are contiguous
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+                is_causal=attention_mask is None, scale=self.softmax_scale,
+                dropout_p=self.attention_dropout.p if self.training else 0.0)
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    return SdpaCoreAttention
+
+
 def build_gpt(arch: Arch, config, pre_process: bool, post_process: bool):
     from megatron.core.models.gpt import GPTModel
 
@@ -70,6 +97,7 @@ def build_gpt(arch: Arch, config, pre_process: bool, post_process: bool):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.vocab,
                     max_sequence_length=arch.max_positions, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=arch.tied, position_embedding_type="rope",
