@@ -34,6 +34,55 @@ def check_token_ids(ids: Sequence[int], what: str, vocab_size: int) -> list[int]
     return out
 
 
+class AbortingStream:
+    """What an engine's ``stream()`` returns: an async iterator of ``TokenChunk``s.
+
+    Ending it early in any way -- ``aclose()``, leaving ``async for``, or dropping it without ever
+    iterating (a request refused halfway through opening several) -- aborts the request, so an
+    abandoned request never keeps decoding for nobody. An engine supplies ``_next_chunk`` and
+    ``_release(abort)``. A chunk that raises means the engine already dropped the request; a
+    cancelled reader (a client that went away) leaves it open, so closing it still aborts.
+    """
+
+    _finished = False
+    _closed = False
+
+    def __aiter__(self) -> "AbortingStream":
+        return self
+
+    async def __anext__(self) -> "TokenChunk":
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            chunk = await self._next_chunk()
+        except Exception:
+            self._finished = True
+            self._close()
+            raise
+        if chunk.finish_reason is not None:
+            self._finished = True
+            self._close()
+        return chunk
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release(abort=not self._finished)
+
+    def __del__(self):
+        self._close()
+
+    async def _next_chunk(self) -> "TokenChunk":
+        raise NotImplementedError
+
+    def _release(self, abort: bool) -> None:
+        raise NotImplementedError
+
+
 class ContextLengthExceeded(EngineError):
     """Prompt plus requested tokens exceed the model's context window."""
 

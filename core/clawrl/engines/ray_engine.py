@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
 import torch
 
 from clawrl.engines.base import (
-    ContextLengthExceeded, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams, ScoreResult,
-    TokenChunk, check_token_ids,
+    AbortingStream, ContextLengthExceeded, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams,
+    ScoreResult, TokenChunk, check_token_ids,
 )
 
 if TYPE_CHECKING:
@@ -296,52 +296,23 @@ class RayEngine(Engine):
             raise EngineError(f"{method} failed on {len(failed)} of {len(self.actors)} engines ({'; '.join(failed)})")
 
 
-class _RayTokenStream:
-    """What ``RayEngine.stream`` returns: chunks as the actor yields them.
-
-    Like the local engine's stream, ending it early in any way (``aclose()``, leaving
-    ``async for``, dropping it unread) aborts the request on its engine.
-    """
+class _RayTokenStream(AbortingStream):
+    """What ``RayEngine.stream`` returns: chunks as the actor yields them (an end without a final
+    chunk, which a TorchEngine never produces, raises like an error)."""
 
     def __init__(self, engine: RayEngine, index: int, rid: str, refs):
         self._engine, self._index, self._rid, self._refs = engine, index, rid, refs
-        self._finished = self._closed = False
 
-    def __aiter__(self) -> "_RayTokenStream":
-        return self
+    async def _next_chunk(self) -> TokenChunk:
+        return await _remote(await self._refs.__anext__(), self._engine.placements[self._index])
 
-    async def __anext__(self) -> TokenChunk:
-        if self._finished or self._closed:
-            raise StopAsyncIteration
-        placement = self._engine.placements[self._index]
-        try:
-            chunk = await _remote(await self._refs.__anext__(), placement)
-        except BaseException:  # an error, or (never from a TorchEngine) an end without a final chunk
-            self._finished = True
-            self._close()
-            raise
-        if chunk.finish_reason is not None:
-            self._finished = True
-            self._close()
-        return chunk
-
-    async def aclose(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self, abort: bool) -> None:
         self._engine._release(self._index, self._rid)
-        if not self._finished:
+        if abort:
             try:  # fire and forget: the actor ends the stream with an "abort" chunk nobody reads
                 self._engine.actors[self._index].abort.remote(self._rid)
             except Exception:  # Ray already shut down: nothing left to abort
                 pass
-
-    def __del__(self):
-        self._close()
-
 
 async def _remote(ref, placement: Placement, timeout_s: float | None = None, what: str = "call"):
     """Await one actor call; the actor's own exception comes back as itself, Ray's as one line."""

@@ -27,7 +27,8 @@ import torch
 
 from clawrl.config import EngineConfig
 from clawrl.engines.base import (
-    ContextLengthExceeded, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk, check_token_ids,
+    AbortingStream, ContextLengthExceeded, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk,
+    check_token_ids,
 )
 from clawrl.engines.hf_fallback import HFForward
 from clawrl.engines.loading import LoadedModel
@@ -458,52 +459,26 @@ class TorchEngine(Engine):
             self._waiting.remove(req)
 
 
-class _TokenStream:
-    """What ``stream()`` returns: an async iterator of merged chunks.
-
-    Ending it early in any way -- ``aclose()``, leaving ``async for``, or dropping it without ever
-    iterating (a request refused halfway through opening several) -- aborts the request, so an
-    abandoned request never keeps decoding for nobody.
-    """
+class _TokenStream(AbortingStream):
+    """``TorchEngine.stream``'s chunks, merged when a slow reader lets them pile up."""
 
     def __init__(self, engine: TorchEngine, req: _Request):
         self._engine, self._req = engine, req
-        self._finished = self._closed = False
 
-    def __aiter__(self) -> "_TokenStream":
-        return self
-
-    async def __anext__(self) -> TokenChunk:
-        if self._finished or self._closed:
-            raise StopAsyncIteration
+    async def _next_chunk(self) -> TokenChunk:
         q = self._req.chunks
         items = [await q.get()]
         while not q.empty():  # a slow reader gets what piled up as one chunk
             items.append(q.get_nowait())
         for item in items:
             if isinstance(item, BaseException):  # the engine already dropped this request
-                self._finished = True
-                self._close()
                 raise item
-        chunk = _merge(items)
-        if chunk.finish_reason is not None:
-            self._finished = True
-            self._close()
-        return chunk
+        return _merge(items)
 
-    async def aclose(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self, abort: bool) -> None:
         self._engine._live.pop(self._req.rid, None)
-        if not self._finished:
+        if abort:
             self._engine._cmds.put(("abort", self._req.rid))
-
-    def __del__(self):
-        self._close()
 
 
 def _merge(chunks: list[TokenChunk]) -> TokenChunk:
