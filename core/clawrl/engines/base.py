@@ -34,6 +34,34 @@ def check_token_ids(ids: Sequence[int], what: str, vocab_size: int) -> list[int]
     return out
 
 
+def check_generate_request(prompt_ids: Sequence[int], params: "SamplingParams", vocab_size: int,
+                           max_context: int) -> list[int]:
+    """The prompt of a generate/stream request, checked before any work (every engine, local or
+    remote, refuses the same requests with the same messages)."""
+    prompt = check_token_ids(prompt_ids, "prompt_ids", vocab_size)
+    if not prompt:
+        raise EngineError("prompt_ids is empty")
+    if len(prompt) + params.max_new_tokens > max_context:
+        raise ContextLengthExceeded(len(prompt), params.max_new_tokens, max_context)
+    return prompt
+
+
+def check_score_request(prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int, temperature: float,
+                        vocab_size: int, max_context: int) -> tuple[list[int], list[int]]:
+    """The prompt and response of a ``score`` request, checked before any work."""
+    prompt = check_token_ids(prompt_ids, "prompt_ids", vocab_size)
+    response = check_token_ids(response_ids, "response_ids", vocab_size)
+    if not prompt:
+        raise EngineError("prompt_ids is empty")
+    if temperature <= 0:
+        raise EngineError("temperature must be > 0 for scoring")
+    if top_k < 0 or top_k > vocab_size:
+        raise EngineError(f"top_k must be between 0 and {vocab_size}")
+    if len(prompt) + len(response) > max_context:
+        raise ContextLengthExceeded(len(prompt), len(response), max_context)
+    return prompt, response
+
+
 class AbortingStream:
     """What an engine's ``stream()`` returns: an async iterator of ``TokenChunk``s.
 

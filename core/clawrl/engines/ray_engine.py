@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
 import torch
 
 from clawrl.engines.base import (
-    AbortingStream, ContextLengthExceeded, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams,
-    ScoreResult, TokenChunk, check_token_ids,
+    AbortingStream, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams, ScoreResult, TokenChunk,
+    check_generate_request, check_score_request,
 )
 
 if TYPE_CHECKING:
@@ -152,11 +152,7 @@ class RayEngine(Engine):
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
                request_id: str | None = None) -> AsyncIterator[TokenChunk]:
         """Validate here (bad prompts raise before any work, as with a local engine), then stream."""
-        prompt = self._check_ids(prompt_ids, "prompt_ids")
-        if not prompt:
-            raise EngineError("prompt_ids is empty")
-        if len(prompt) + params.max_new_tokens > self.max_context:
-            raise ContextLengthExceeded(len(prompt), params.max_new_tokens, self.max_context)
+        prompt = check_generate_request(prompt_ids, params, self.vocab_size, self.max_context)
         rid = request_id or uuid.uuid4().hex
         if rid in self._routes:
             raise EngineError(f"request id '{rid}' is already running")
@@ -169,12 +165,8 @@ class RayEngine(Engine):
 
     async def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int = 0,
                     temperature: float = 1.0) -> ScoreResult:
-        prompt = self._check_ids(prompt_ids, "prompt_ids")
-        response = self._check_ids(response_ids, "response_ids")
-        if not prompt:
-            raise EngineError("prompt_ids is empty")
-        if len(prompt) + len(response) > self.max_context:
-            raise ContextLengthExceeded(len(prompt), len(response), self.max_context)
+        prompt, response = check_score_request(prompt_ids, response_ids, top_k, temperature, self.vocab_size,
+                                               self.max_context)
         i = self._take()
         try:
             return await _remote(self.actors[i].score.remote(prompt, response, top_k, temperature),
@@ -199,8 +191,6 @@ class RayEngine(Engine):
         if self._routes.pop(rid, None) is not None:
             self._outstanding[i] -= 1
 
-    def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
-        return check_token_ids(ids, what, self.vocab_size)
 
     # ------------------------------------------------------------------ control
 

@@ -27,8 +27,8 @@ import torch
 
 from clawrl.config import EngineConfig
 from clawrl.engines.base import (
-    AbortingStream, ContextLengthExceeded, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk,
-    check_token_ids,
+    AbortingStream, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk, check_generate_request,
+    check_score_request,
 )
 from clawrl.engines.hf_fallback import HFForward
 from clawrl.engines.loading import LoadedModel
@@ -128,11 +128,7 @@ class TorchEngine(Engine):
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
                request_id: str | None = None) -> AsyncIterator[TokenChunk]:
         """Validate now (so a too-long prompt raises before any work), then stream chunks."""
-        prompt = self._check_ids(prompt_ids, "prompt_ids")
-        if not prompt:
-            raise EngineError("prompt_ids is empty")
-        if len(prompt) + params.max_new_tokens > self.max_context:
-            raise ContextLengthExceeded(len(prompt), params.max_new_tokens, self.max_context)
+        prompt = check_generate_request(prompt_ids, params, self.vocab_size, self.max_context)
         rid = request_id or uuid.uuid4().hex
         if rid in self._live:
             raise EngineError(f"request id '{rid}' is already running")
@@ -152,16 +148,8 @@ class TorchEngine(Engine):
 
     async def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int = 0,
                     temperature: float = 1.0) -> ScoreResult:
-        prompt = self._check_ids(prompt_ids, "prompt_ids")
-        response = self._check_ids(response_ids, "response_ids")
-        if not prompt:
-            raise EngineError("prompt_ids is empty")
-        if temperature <= 0:
-            raise EngineError("temperature must be > 0 for scoring")
-        if top_k < 0 or top_k > self.vocab_size:
-            raise EngineError(f"top_k must be between 0 and {self.vocab_size}")
-        if len(prompt) + len(response) > self.max_context:
-            raise ContextLengthExceeded(len(prompt), len(response), self.max_context)
+        prompt, response = check_score_request(prompt_ids, response_ids, top_k, temperature, self.vocab_size,
+                                               self.max_context)
         if not response:
             return ScoreResult([], self.weight_version, [] if top_k else None, [] if top_k else None)
         self._ensure_thread()
@@ -210,9 +198,6 @@ class TorchEngine(Engine):
             extra={"ragged": self.runner.ragged, "max_batch_size": self.engine_cfg.max_batch_size,
                    "prefill_chunk_tokens": self.engine_cfg.prefill_chunk_tokens},
         )
-
-    def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
-        return check_token_ids(ids, what, self.vocab_size)
 
     async def _call(self, kind: str, payload=None):
         """Run a command on the scheduler thread and wait for it to be applied."""
