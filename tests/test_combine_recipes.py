@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway_support import build_tiny_model, free_port, model_cache_dir
+from recipe_support import ask_then_reply, process_environ, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,20 +23,6 @@ def test_unknown_override_through_run_sh_is_refused_in_one_line(method, tmp_path
                            f"run_dir={tmp_path}"], capture_output=True, text=True, timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "combine.w_opd" in lines[0], proc.stderr
-
-
-def wait_until(proc, log: Path, check, timeout: float = 120):
-    deadline = time.time() + timeout
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            value = check()
-            if value:
-                return value
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("method", ["opd", "combine"])
@@ -55,21 +40,15 @@ def test_run_sh_serves_hint_judges_teacher_scores_and_trains(method, tmp_path):
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MASTER_ADDR": "10.0.0.7"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(proc, log, lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200)
-        env = dict(v.split("=", 1) for v in Path(f"/proc/{proc.pid}/environ").read_text().split("\0") if "=" in v)
+        wait_until(lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200, [proc], [log], 120)
+        env = process_environ(proc.pid)
         assert env["MASTER_ADDR"] == "10.0.0.7" and env["OMP_NUM_THREADS"] and env["CLAWRL_HOME"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         for question, feedback in (("Hi", "Too long. One line, please."), ("What is 7+5?", "Just the number, please."),
                                    ("Tell me a story about a cat.", "Thanks!")):
-            session = {"X-Session-Id": uuid.uuid4().hex}
-            asked = [{"role": "user", "content": question}]
-            reply = client.chat.completions.create(model="tiny", messages=asked, max_tokens=12,
-                                                   extra_headers=session).choices[0].message.content
-            client.chat.completions.create(
-                model="tiny", max_tokens=1, extra_headers={**session, "X-Session-Done": "1"},
-                messages=asked + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}])
-        status = wait_until(proc, log, lambda: (lambda s: s if s["training"]["train_step"] >= 1 else None)(
-            httpx.get(url + "/admin/status", timeout=10).json()))
+            ask_then_reply(client, "tiny", question, feedback)
+        status = wait_until(lambda: (lambda s: s if s["training"]["train_step"] >= 1 else None)(
+            httpx.get(url + "/admin/status", timeout=10).json()), [proc], [log], 120)
         t = status["training"]
         assert t["method"] == method and t["batch_size"] == 2  # config.yaml's method, the command line's size
         assert t["opd"]["hint_judge"] == "rules" and t["opd"]["teacher"] == "policy"

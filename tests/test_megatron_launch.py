@@ -24,6 +24,7 @@ pytest.importorskip("megatron.core")
 
 from engine_testing import make_model_dir  # noqa: E402
 from gateway_support import free_port  # noqa: E402
+from recipe_support import wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "CLAWRL_CLUSTER_KEY")
@@ -127,21 +128,6 @@ def kill_all(procs: list[subprocess.Popen], others: set[int]) -> None:
     for p in procs:
         if p.poll() is None:
             p.wait(30)
-
-
-def wait_until(check, procs: list[subprocess.Popen], logs: list[Path], timeout: float):
-    deadline = time.monotonic() + timeout
-    while True:
-        for p, log in zip(procs, logs):
-            assert p.poll() is None, f"exited with {p.returncode}:\n{log.read_text()[-4000:]}"
-        try:
-            value = check()
-            if value:
-                return value
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "\n".join(log.read_text()[-3000:] for log in logs)
-        time.sleep(0.2)
 
 
 class Traffic:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway_support import build_tiny_model, free_port, model_cache_dir
+from recipe_support import ask_then_reply, process_environ, wait_until
 
 RUN_SH = Path(__file__).resolve().parent.parent / "openclaw-rl" / "run.sh"
 
@@ -38,35 +37,15 @@ def test_run_sh_serves_judges_and_trains_with_an_openai_client(tmp_path):
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MASTER_ADDR": "10.0.0.7"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_until(lambda: httpx.get(url + "/healthz", timeout=1).status_code == 200, [proc], [log], 120)
         # run.sh execs the server: same process, launch environment added, multi-node variables untouched
-        env = dict(v.split("=", 1) for v in Path(f"/proc/{proc.pid}/environ").read_text().split("\0") if "=" in v)
+        env = process_environ(proc.pid)
         assert env["MASTER_ADDR"] == "10.0.0.7" and env["OMP_NUM_THREADS"] and env["CLAWRL_HOME"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         for question, feedback in (("Hi", "Thanks!"), ("Tell me a story about a cat.", "No, that's wrong.")):
-            session = {"X-Session-Id": uuid.uuid4().hex}
-            asked = [{"role": "user", "content": question}]
-            reply = client.chat.completions.create(model="tiny", messages=asked, max_tokens=12,
-                                                   extra_headers=session).choices[0].message.content
-            client.chat.completions.create(
-                model="tiny", max_tokens=1, extra_headers={**session, "X-Session-Done": "1"},
-                messages=asked + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}])
-        deadline = time.time() + 120
-        while True:
-            status = httpx.get(url + "/admin/status", timeout=10).json()
-            if status["training"]["train_step"] == 1:
-                break
-            assert time.time() < deadline, status
-            time.sleep(0.2)
+            ask_then_reply(client, "tiny", question, feedback)
+        status = wait_until(lambda: (lambda s: s if s["training"]["train_step"] == 1 else None)(
+            httpx.get(url + "/admin/status", timeout=10).json()), [proc], [log], 120)
         t = status["training"]
         assert t["method"] == "rl" and t["judge"] == "rules"  # from config.yaml
         assert t["batch_size"] == 2  # the command line wins over config.yaml
