@@ -270,9 +270,9 @@ class MegatronRanks:
         mode = self.objective.loss_cfg.aggregation
         per_rank = self._batches(samples)
         everything = [mb for bs in per_rank for mb in bs]
-        metrics = {**self.objective.apply_method_advantages(everything)}
-        metrics = {**sample_metrics(samples, weight_version, everything), **metrics}
-        metrics["micro_batches"] = max(len(bs) for bs in per_rank)
+        opd_metrics = self.objective.apply_method_advantages(everything)  # also sets advantages and masks
+        metrics = {**sample_metrics(samples, weight_version, everything), **opd_metrics,
+                   "micro_batches": max(len(bs) for bs in per_rank)}
         denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in everything)
         if denominator <= 0:
             return {"ok": False, "metrics": metrics, "skipped_reason": "no_trainable_tokens"}
