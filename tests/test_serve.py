@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from clawrl.run_lock import RunDirBusy, RunDirLock
 from clawrl.store import TurnStore
 
 from gateway_support import PLAIN_ANSWER, build_tiny_model, free_port, model_cache_dir
@@ -151,3 +152,35 @@ def test_provider_snippet_never_contains_the_key(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, SECRET)
     p = provider_snippet("u", "m", 1, 1, has_key=True)["models"]["providers"]["clawrl"]
     assert p["apiKey"] == "${CLAWRL_API_KEY}" and SECRET not in json.dumps(p)
+
+
+def test_run_dir_lock_refuses_a_second_holder_until_the_first_releases(tmp_path):
+    first = RunDirLock(tmp_path).acquire()
+    with pytest.raises(RunDirBusy, match=rf"in use by another clawrl server \(pid {os.getpid()}\)"):
+        RunDirLock(tmp_path).acquire()
+    first.release()
+    RunDirLock(tmp_path).acquire().release()  # released: free again
+
+
+@pytest.mark.slow
+def test_a_second_server_on_a_run_dir_is_refused_while_read_only_commands_work(tmp_path):
+    model = build_tiny_model(model_cache_dir())
+    first = Served(tmp_path, model, free_port())
+    try:
+        first.chat([{"role": "user", "content": "Hi"}])
+        line = one_line_refusal(run_serve(f"model.path={model}", f"server.port={free_port()}",
+                                          f"run_dir={tmp_path}", f"server.api_key={SECRET}"))
+        assert f"pid {first.proc.pid}" in line and str(tmp_path) in line
+        listed = subprocess.run([*CLAWRL, "sessions", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                                timeout=60)
+        assert listed.returncode == 0 and len(listed.stdout.strip().splitlines()) == 2, listed.stderr  # header, 1 session
+        exported = subprocess.run([*CLAWRL, "export", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                                  timeout=60)
+        assert exported.returncode == 0 and len(exported.stdout.splitlines()) == 1, exported.stderr
+    finally:
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(60) == 0
+    # the lock goes with the server: a new one starts on the same run_dir
+    second = Served(tmp_path, model, free_port())
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.proc.wait(60) == 0

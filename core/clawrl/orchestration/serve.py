@@ -5,6 +5,7 @@ The listening socket is bound *before* the model loads, so a port in use fails i
 one line instead of after a long load; uvicorn then serves on that socket and handles the signals
 (it stops accepting, lets in-flight responses finish, and runs the app's shutdown, which stops
 the engine). Turns are durable as they are served, so even ``kill -9`` loses no acknowledged turn.
+The run directory is locked for the server's life (``clawrl.run_lock``): one server per run_dir.
 """
 from __future__ import annotations
 
@@ -14,6 +15,19 @@ import os
 import signal
 import socket
 
+import uvicorn
+
+from clawrl.cli import CliError
+from clawrl.config import compose
+from clawrl.engines import make_engine
+from clawrl.engines.base import EngineError
+from clawrl.gateway.app import create_app
+from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
+from clawrl.orchestration.learner import attach_learning, check_method
+from clawrl.run_lock import RunDirBusy, RunDirLock
+from clawrl.sessions import SessionLinker
+from clawrl.store import StoreError, TurnStore
+
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "CLAWRL_API_KEY"
@@ -21,8 +35,6 @@ API_KEY_ENV = "CLAWRL_API_KEY"
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: any free port), or CliError in one line."""
-    from clawrl.cli import CliError
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -69,7 +81,6 @@ def _serve_trainer_ranks_only(cfg) -> int:
     until the driver on node 0 shuts the ranks down."""
     import dataclasses
 
-    from clawrl.cli import CliError
     from clawrl.cluster import ClusterError, run_worker_node
     from clawrl.trainers.megatron.trainer import PROGRAM
 
@@ -87,18 +98,6 @@ def _serve_trainer_ranks_only(cfg) -> int:
 
 
 def serve_cli(args) -> int:
-    import uvicorn
-
-    from clawrl.cli import CliError
-    from clawrl.config import compose
-    from clawrl.engines import make_engine
-    from clawrl.engines.base import EngineError
-    from clawrl.gateway.app import create_app
-    from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
-    from clawrl.orchestration.learner import attach_learning, check_method
-    from clawrl.sessions import SessionLinker
-    from clawrl.store import StoreError, TurnStore
-
     cfg = compose(args.overrides, args.config)
     check_method(cfg.method)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -108,40 +107,53 @@ def serve_cli(args) -> int:
         check_server_auth(cfg.server)
     except AuthConfigError as e:
         raise CliError(str(e)) from None
-    sock = bind_socket(cfg.server.host, cfg.server.port)
     try:
+        # held for the server's life: a second server on this run_dir would train the same samples again
+        run_lock = RunDirLock(cfg.run_dir).acquire()
+    except RunDirBusy as e:
+        raise CliError(str(e)) from None
+    try:
+        sock = bind_socket(cfg.server.host, cfg.server.port)
         try:
-            engine = make_engine(cfg)
-            store = TurnStore(cfg.run_dir)
-        except (EngineError, StoreError) as e:
-            raise CliError(str(e)) from None
-        linker = SessionLinker(store, idle_timeout_s=cfg.sessions.idle_timeout_s)
-        app = create_app(cfg, engine, linker)
-        attach_learning(app, cfg, engine, store)  # judging and training beside serving, per cfg.method
-        info = engine.model_info()
-        host, port = sock.getsockname()[:2]
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
-        base_url = f"http://{shown}:{port}/v1"
-        snippet = provider_snippet(base_url, info.name, info.max_context,
-                                   min(cfg.server.default_max_tokens, info.max_context),
-                                   bool(parse_keys(cfg.server.api_key)))
-        print(f"clawrl: serving {info.name} at {base_url} (turns stored in {store.path})", flush=True)
-        print("OpenClaw provider (paste into openclaw.json):", flush=True)
-        print(json.dumps(snippet, indent=2), flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal into the
-        # handler it found; this one turns that into a normal exit (status 0) after cleanup.
-        stopped: list[int] = []
-        previous = {sig: signal.signal(sig, lambda s, f: stopped.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            server.run(sockets=[sock])
+            _serve_on(sock, cfg)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            store.close()
-        if stopped:
-            print(f"clawrl: stopped by {signal.Signals(stopped[0]).name}; every acknowledged turn is in {store.path}",
-                  flush=True)
+            sock.close()
     finally:
-        sock.close()
+        run_lock.release()
     return 0
+
+
+def _serve_on(sock: socket.socket, cfg) -> None:
+    """Load the model, open the store, and serve on ``sock`` until SIGINT/SIGTERM."""
+    try:
+        engine = make_engine(cfg)
+        store = TurnStore(cfg.run_dir)
+    except (EngineError, StoreError) as e:
+        raise CliError(str(e)) from None
+    linker = SessionLinker(store, idle_timeout_s=cfg.sessions.idle_timeout_s)
+    app = create_app(cfg, engine, linker)
+    attach_learning(app, cfg, engine, store)  # judging and training beside serving, per cfg.method
+    info = engine.model_info()
+    host, port = sock.getsockname()[:2]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
+    base_url = f"http://{shown}:{port}/v1"
+    snippet = provider_snippet(base_url, info.name, info.max_context,
+                               min(cfg.server.default_max_tokens, info.max_context),
+                               bool(parse_keys(cfg.server.api_key)))
+    print(f"clawrl: serving {info.name} at {base_url} (turns stored in {store.path})", flush=True)
+    print("OpenClaw provider (paste into openclaw.json):", flush=True)
+    print(json.dumps(snippet, indent=2), flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal into the
+    # handler it found; this one turns that into a normal exit (status 0) after cleanup.
+    stopped: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, f: stopped.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        store.close()
+    if stopped:
+        print(f"clawrl: stopped by {signal.Signals(stopped[0]).name}; every acknowledged turn is in {store.path}",
+              flush=True)
