@@ -264,6 +264,41 @@ def test_stale_samples_are_kept_under_importance_weight(store):
     assert sample.weight_versions == [1, 4, 4] and sample.rollout_logprobs == [-0.25, -0.5, -0.75]
 
 
+def test_samples_requeued_after_a_crash_are_not_stale_for_the_version_jump_the_crash_caused(store):
+    """Versions 1-6 were served, nothing was checkpointed, the server died: the base weights come back
+    as version 7. A token of version 0 is on-policy for them; one of version 4 is 4 updates away."""
+    chat, buffer = Chat(store), make_buffer(store, max_weight_lag=4, stale_policy="drop")
+    base = chat.conversation(["thanks"], opening="base", versions=(0, 0, 0))
+    later = chat.conversation(["thanks"], opening="later", versions=(2, 4, 4))
+    too_far = chat.conversation(["thanks"], opening="far", versions=(5, 6, 6))
+    judge_all(buffer)
+    buffer.record_alias(7, source=0)
+    taken = {x.turn_id: x.extra["weight_lag"] for x in buffer.take_batch(8, current_version=7)}
+    assert taken == {base[0]: 0, later[0]: 4}
+    s = by_turn(buffer)[too_far[0]]
+    assert (s["state"], s["skip_reason"], s["weight_lag"]) == ("skipped", "stale", 6)
+
+
+def test_a_recorded_alias_survives_a_restart_and_lag_grows_with_new_updates(tmp_path):
+    store = TurnStore(tmp_path)
+    chat, buffer = Chat(store), make_buffer(store, max_weight_lag=1)
+    turns = [chat.conversation(["thanks"], opening=f"q{i}", versions=(3, 3, 3)) for i in range(2)]
+    judge_all(buffer)
+    buffer.record_alias(9, source=3)
+    store.close()
+    store = TurnStore(tmp_path)
+    buffer = make_buffer(store, max_weight_lag=1)
+    # version 10 is one update after 9 (= 3): lag 1, within the bound
+    [first] = buffer.take_batch(1, current_version=10)
+    assert first.turn_id == turns[0][0] and first.extra["weight_lag"] == 1
+    # two updates later it is stale
+    assert buffer.take_batch(1, current_version=11) == []
+    assert by_turn(buffer)[turns[1][0]]["weight_lag"] == 2
+    store.close()
+    with pytest.raises(ValueError, match="newer than its source"):
+        make_buffer(TurnStore(tmp_path), max_weight_lag=1).record_alias(3, source=3)
+
+
 def test_n_choices_of_one_request_form_a_grpo_group(store):
     chat, buffer = Chat(store), make_buffer(store, group_advantage="grpo")
     linker = chat.linker

@@ -25,8 +25,10 @@ Lifecycle of a sample (table ``samples`` in the turn store's SQLite file)::
   normalised group of one, which would always be 0.
 - **consumed**: handed to the trainer by :meth:`RolloutBuffer.take_batch` (one transaction, so
   two takers -- threads or processes -- never get the same sample). At take time an admin
-  relabel (excluded, side) skips the sample, and staleness is applied: the lag is
-  ``current_version - min(per-token weight versions)``; beyond ``train.max_weight_lag`` a sample
+  relabel (excluded, side) skips the sample, and staleness is applied: the lag is the most
+  optimizer updates between a token's weight version and the current one along the run's lineage
+  (``clawrl.weight_lineage``: a restart that re-serves older weights under a new version number
+  adds no lag of its own); beyond ``train.max_weight_lag`` a sample
   is skipped as ``stale`` (``stale_policy=drop``) or kept (``importance_weight``: the trainer's
   truncated importance sampling uses the exact per-token rollout logprobs).
 - **trained**: :meth:`RolloutBuffer.mark_trained` after the optimiser step, with the step and the
@@ -77,6 +79,7 @@ from clawrl.judges.base import Judge, JudgeInput, Verdict, Vote
 from clawrl.losses import GROUP_MODES, RunningBaseline, group_advantages
 from clawrl.samples import Sample
 from clawrl.store import TurnStore, unpack
+from clawrl.weight_lineage import lag_counter
 from clawrl.workers import PollingWorker
 
 log = logging.getLogger(__name__)
@@ -128,6 +131,14 @@ _SCHEMA = [
     """
     ALTER TABLE samples ADD COLUMN rl_signal INTEGER NOT NULL DEFAULT 1;  -- 0: no judged reward (OPD only)
     ALTER TABLE samples ADD COLUMN opd_state TEXT;                         -- NULL (unresolved), scored, none, timeout
+    """,
+    # version 3: weights re-served under a new version after a restart (clawrl.weight_lineage)
+    """
+    CREATE TABLE weight_aliases (
+        version INTEGER PRIMARY KEY,         -- the new version number
+        source  INTEGER NOT NULL,            -- the version whose weights it serves again
+        at      REAL NOT NULL
+    );
     """,
 ]
 OPD_OUTCOMES = ("scored", "none", "timeout")
@@ -506,6 +517,8 @@ class RolloutBuffer:
         out: list[Sample] = []
         skipped: list[tuple[int, int, str]] = []
         with self.store.transaction() as c:
+            lag_of = lag_counter(dict(c.execute("SELECT version, source FROM weight_aliases").fetchall()),
+                                 current_version)
             last = 0
             while len(out) < n:
                 rows = c.execute(
@@ -522,7 +535,7 @@ class RolloutBuffer:
                     last = sid
                     skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
                     versions = unpack(v_blob, "q") or []
-                    lag = current_version - min(versions) if versions else 0
+                    lag = max(map(lag_of, set(versions)), default=0)
                     if skip is None and lag > self.train.max_weight_lag and self.train.stale_policy == "drop":
                         skip = "stale"
                     if skip:
@@ -588,6 +601,17 @@ class RolloutBuffer:
         if missing:
             raise KeyError(f"no sample with id {', '.join(map(str, missing))}")
         return states
+
+    def record_alias(self, version: int, source: int) -> None:
+        """``version`` serves the weights of ``source`` again (a restart resumed older weights under a
+        new number): tokens of ``source`` and its ancestors stay as fresh as they were."""
+        if not 0 <= source < version:
+            raise ValueError(f"a re-served version must be newer than its source, got {version} -> {source}")
+        with self.store.transaction() as c:
+            c.execute("INSERT OR REPLACE INTO weight_aliases (version, source, at) VALUES (?, ?, ?)",
+                      (version, source, time.time()))
+        log.info("weight version %d serves the weights of version %d (staleness counts from %d)",
+                 version, source, source)
 
     def requeue_after_restore(self, checkpoint_step: int) -> int:
         """After restoring the checkpoint of ``checkpoint_step``: samples consumed but not trained,

@@ -59,12 +59,16 @@ class CorruptCheckpoint(CheckpointError):
 
 @dataclass
 class ResumeState:
-    """What a start resumed from: the step, the version to serve, and the buffer's saved state."""
+    """What a start resumed from: the step, the version to serve, and the buffer's saved state.
+
+    ``source_version`` is the version the weights were saved as; when it differs from
+    ``weight_version`` the weights are served again under a new number (see the module docstring)."""
 
     step: int
     weight_version: int
     buffer_state: dict | None
     checkpoint: Path
+    source_version: int
     rolled_back: bool = False
 
 
@@ -278,8 +282,8 @@ class CheckpointStore:
                 raise CheckpointError(f"cannot resume from {self.path(step)}: {e}") from None
             buffer_state = state.get("buffer_state")
             if pending:
-                return self._apply_rollback(trainer, record, step, buffer_state)
-            version = int(manifest["weight_version"])
+                return self._apply_rollback(trainer, record, step, int(manifest["weight_version"]), buffer_state)
+            version = saved_as = int(manifest["weight_version"])
             served = self.high_water()
             if version < served:
                 log.warning("checkpoint step_%d holds weight version %d, but version %d was served since; "
@@ -288,14 +292,15 @@ class CheckpointStore:
             self.record_version(version)
             log.info("resumed from checkpoint step_%d: trainer step %d, weight version %d",
                      step, trainer.step, version)
-            return ResumeState(trainer.step, version, buffer_state, self.path(step))
+            return ResumeState(trainer.step, version, buffer_state, self.path(step), saved_as)
         if order:
             log.error("no usable checkpoint among %s; starting from the base model", [f"step_{s}" for s in order])
         elif pending:
             raise CheckpointError(f"rollback target step_{record['target_step']} is gone from {self.root}")
         return None
 
-    def _apply_rollback(self, trainer: Trainer, record: dict, step: int, buffer_state: dict | None) -> ResumeState:
+    def _apply_rollback(self, trainer: Trainer, record: dict, step: int, saved_as: int,
+                        buffer_state: dict | None) -> ResumeState:
         newest = max(self.steps())
         version = max(int(record["new_version"]), self.high_water() + 1)
         trainer.step = newest + 1  # steps keep increasing, so the rolled-back line never collides
@@ -306,7 +311,7 @@ class CheckpointStore:
         self._prune()
         log.warning("rolled back to step_%d: serving its weights as version %d (saved as %s); samples of "
                     "versions up to %d stay in the buffer as older samples", step, version, path.name, version - 1)
-        return ResumeState(trainer.step, version, buffer_state, path, rolled_back=True)
+        return ResumeState(trainer.step, version, buffer_state, path, saved_as, rolled_back=True)
 
     # ---------------------------------------------------------------- rollback
 
