@@ -3,6 +3,7 @@ serves; pausing stops training but not serving; a restart resumes version and st
 self-pause shows in /admin/status; train.enabled=false serves and records only."""
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 
@@ -128,6 +129,49 @@ def test_restart_resumes_weight_version_and_step_from_the_checkpoint(model_dir, 
         interaction(srv.url, "Hi", "Perfect, thanks.")
         s = wait_for(srv.url, lambda s: s["training"]["train_step"] == 2)
         assert s["weight_version"] == 2
+    store.close()
+
+
+def test_a_clean_stop_checkpoints_the_steps_save_every_had_not_reached(model_dir, tmp_path):
+    app, learner, store = make_app(model_dir, tmp_path, "train.save_every=10")
+    with ServerThread(app) as srv:
+        interaction(srv.url, "Hi", "Thanks!")
+        interaction(srv.url, "Tell me a story about a cat.", "That's not right.")
+        wait_for(srv.url, lambda s: s["training"]["train_step"] == 1)
+        assert not (tmp_path / "checkpoints" / "step_1").exists()  # save_every=10 has not come round
+        trained = dict(learner.trainer.model.state_dict())
+    store.close()  # leaving the block stopped the server as SIGINT/SIGTERM does
+    assert (tmp_path / "checkpoints" / "step_1").is_dir()
+
+    app, learner, store = make_app(model_dir, tmp_path, "train.save_every=10")
+    with ServerThread(app) as srv:
+        s = status(srv.url)
+        assert s["weight_version"] == 1 and s["training"]["train_step"] == 1
+        assert s["training"]["samples"]["trained"] == 2 and s["training"]["samples"]["ready"] == 0
+        for name, value in learner.trainer.model.state_dict().items():
+            assert value.equal(trained[name]), name
+    store.close()
+
+
+def test_samples_requeued_after_a_crash_before_any_checkpoint_train_again_not_dropped_as_stale(model_dir, tmp_path):
+    app, learner, store = make_app(model_dir, tmp_path, "train.save_every=10", "train.max_weight_lag=0")
+    with ServerThread(app) as srv:
+        interaction(srv.url, "Hi", "Thanks!")
+        interaction(srv.url, "Tell me a story about a cat.", "That's not right.")
+        wait_for(srv.url, lambda s: s["training"]["train_step"] == 1)
+    store.close()
+    # What kill -9 leaves: version 1 was served and its samples marked trained, but no checkpoint exists
+    # (the clean stop above saved one; a crash would not have).
+    for saved in (tmp_path / "checkpoints").glob("step_*"):
+        shutil.rmtree(saved)
+
+    app, learner, store = make_app(model_dir, tmp_path, "train.save_every=10", "train.max_weight_lag=0")
+    with ServerThread(app) as srv:
+        # the base weights come back as version 2; the two samples were sampled from them (version 0)
+        s = wait_for(srv.url, lambda s: s["training"]["train_step"] == 1)
+        assert s["weight_version"] == 3
+        assert s["training"]["samples"]["trained"] == 2
+        assert "stale" not in s["training"]["samples"]["skipped_by_reason"]
     store.close()
 
 

@@ -75,7 +75,8 @@ class Learner:
         self.metrics = MetricsLogger(store.run_dir, cfg.logging, run_config=dataclasses.asdict(cfg))
         self.sync = InProcessWeightSync(engine)
         self.trainer = None
-        self._resume_step, self._resume_version = 0, 0
+        self._resume_step, self._resume_version, self._resume_source = 0, 0, 0
+        self._saved_step = 0  # the newest step with a checkpoint (or the start, nothing to save)
         self.train_step = 0  # the last step whose weights are served and whose samples are marked trained
         self.admin_pause: Optional[str] = None  # why an operator paused training
         self.last_loss: Optional[float] = None
@@ -105,11 +106,13 @@ class Learner:
         resumed = self.checkpoints.resume(self.trainer)
         if resumed is not None:
             self._resume_step, self._resume_version = resumed.step, resumed.weight_version
+            self._resume_source = resumed.source_version
         else:
             # No usable checkpoint: the base weights. If versions were served before (a crash before
             # the first checkpoint), they come back under a new number, so versions never repeat.
             served = self.checkpoints.high_water()
-            self._resume_step, self._resume_version = 0, served + 1 if served else 0
+            self._resume_step, self._resume_version, self._resume_source = 0, served + 1 if served else 0, 0
+        self._saved_step = self._resume_step
         if self.cfg.method != "rl":
             from clawrl.orchestration.opd import OpdLearning
 
@@ -131,6 +134,8 @@ class Learner:
             await asyncio.to_thread(self.prepare)
         version = self._resume_version
         if version > self.sync.version:
+            if version != self._resume_source:  # older weights under a new number: no staleness of their own
+                await asyncio.to_thread(self.buffer.record_alias, version, self._resume_source)
             await self.sync.push(self.trainer, version)
             await asyncio.to_thread(self.checkpoints.record_version, version)
         requeued = await asyncio.to_thread(self.buffer.requeue_after_restore, self._resume_step)
@@ -150,11 +155,14 @@ class Learner:
                  f"; {requeued} sample(s) whose update was lost are ready again" if requeued else "")
 
     async def stop(self, step_timeout_s: float = 300.0) -> None:
-        """Stop judging and training. A step in flight finishes first (weights pushed, samples marked,
-        checkpoint written); past ``step_timeout_s`` it is abandoned and its samples, still consumed,
+        """Stop judging and training. A step in flight finishes first (weights pushed, samples marked),
+        then the newest step is checkpointed if ``train.save_every`` has not saved it yet, so a clean
+        stop (SIGINT, SIGTERM) loses no training. Past ``step_timeout_s`` the step in flight is
+        abandoned, nothing is saved from its half-updated trainer, and its samples, still consumed,
         are requeued on the next start."""
         self._stopping = True
         self._wake.set()
+        finished = True
         if self._task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), step_timeout_s)
@@ -162,7 +170,15 @@ class Learner:
                 log.warning("the train step in flight did not finish within %.0f s; abandoning it", step_timeout_s)
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
+                finished = False
             self._task = None
+        # trainer.step == train_step: the trainer holds exactly the served weights of the last marked step
+        if finished and self.trainer is not None and self.train_step > self._saved_step \
+                and self.trainer.step == self.train_step:
+            log.info("stopping: saving train step %d (weight version %d), not yet checkpointed (train.save_every=%d)",
+                     self.train_step, self.sync.version, self.cfg.train.save_every)
+            await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
+            self._saved_step = self.train_step
         if self.worker is not None:
             await self.worker.stop()
         if self.opd is not None:
@@ -251,7 +267,8 @@ class Learner:
         await asyncio.to_thread(self.buffer.mark_trained, [s.sample_id for s in samples], step, new_version)
         self.last_loss = result.metrics.get("loss")
         self.last_step_skip = None
-        await asyncio.to_thread(self.checkpoints.after_step, self.trainer, new_version)
+        if await asyncio.to_thread(self.checkpoints.after_step, self.trainer, new_version) is not None:
+            self._saved_step = step
         skipped = await asyncio.to_thread(self._skips_since_last_step)
         self.train_step = step
         self.metrics.log_step(step, {**result.metrics, "weight_version": new_version})
