@@ -41,3 +41,317 @@ def test_wrong_type_is_a_one_line_error():
     with pytest.raises(ConfigError) as e:
         compose(["server.port=abc"])
     assert "\n" not in str(e.value) and "port" in str(e.value)
+
+
+# --- values are validated at composition --------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ["openclaw-rl/config.yaml", "openclaw-opd/config.yaml", "openclaw-combine/config.yaml"]
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_server_port_out_of_range_is_refused(port):
+    with pytest.raises(ConfigError) as e:
+        compose([f"server.port={port}"])
+    assert str(e.value) == f"server.port={port}: must be between 0 and 65535"
+
+
+def test_server_port_zero_means_any_free_port():
+    # `clawrl demo`, the real-OpenClaw tests and bench_serve_training all bind server.port=0
+    assert compose(["server.port=0"]).server.port == 0
+    assert compose(["server.port=65535"]).server.port == 65535
+
+
+@pytest.mark.parametrize("key", ["cluster.control_port", "cluster.sync_port"])
+def test_cluster_ports_are_ports_or_zero_for_auto(key):
+    assert compose([f"{key}=0"]) and compose([f"{key}=4000"])
+    for bad in ("70000", "-1"):
+        with pytest.raises(ConfigError, match=rf"^{key}={bad}: must be between 0 and 65535$"):
+            compose([f"{key}={bad}"])
+
+
+def test_cluster_control_and_sync_ports_must_differ():
+    with pytest.raises(ConfigError, match="cluster.control_port=4000 and cluster.sync_port=4000: must differ"):
+        compose(["cluster.control_port=4000", "cluster.sync_port=4000"])
+
+
+@pytest.mark.parametrize("override,allowed", [
+    ("train.stale_policy=dorp", "drop, importance_weight"),
+    ("engine.backend=vllm", "torch, sglang"),
+    ("trainer.backend=deepspeed", "torch, megatron"),
+    ("model.dtype=int8", "auto, float32, fp32, bfloat16, bf16, float16, fp16"),
+    ("train.baseline=mean", "reward, ema"),
+    ("train.group_advantage=ppo", "grpo, dr_grpo"),
+    ("train.kl_estimator=k4", "k1, k2, k3"),
+    ("train.aggregation=sum", "token-mean, seq-mean-token-mean, seq-mean-token-sum"),
+    ("judge.kind=vibes", "rules, prm, env"),
+    ("opd.hint_judge=llm", "rules, model"),
+    ("opd.topk_kl=sideways", "reverse, forward"),
+    ("logging.level=LOUD", "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ("logging.wandb.mode=cloud", "offline, online, disabled"),
+    ("demo.user=nobody", "bare, worked, student, teacher"),
+])
+def test_bad_enum_is_refused_with_the_allowed_values(override, allowed):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    msg = str(e.value)
+    assert msg.startswith(f"{key}='{value}': must be one of {allowed}") and "\n" not in msg
+
+
+def test_the_first_example_message_reads_as_documented():
+    with pytest.raises(ConfigError) as e:
+        compose(["train.stale_policy=dorp"])
+    assert str(e.value) == "train.stale_policy='dorp': must be one of drop, importance_weight"
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:3"])
+def test_model_device_accepts_auto_cpu_cuda_and_cuda_n(device):
+    assert compose([f"model.device={device}"]).model.device == device
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "CPU"])
+def test_model_device_refuses_anything_else(device):
+    with pytest.raises(ConfigError, match=r"must be auto, cpu, cuda or cuda:N"):
+        compose([f"model.device={device}"])
+
+
+def test_logging_level_is_case_insensitive():
+    assert compose(["logging.level=debug"]).logging.level == "debug"
+    assert compose(["logging.level=Warning"]).logging.level == "Warning"
+
+
+@pytest.mark.parametrize("key", ["train.lora.dropout", "train.baseline_decay"])
+def test_probability_above_one_is_refused(key):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=1.5: must be >= 0 and < 1$"):
+        compose([f"{key}=1.5"])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=-0.1: "):
+        compose([f"{key}=-0.1"])
+
+
+@pytest.mark.parametrize("override,reason", [
+    ("train.batch_size=0", ">= 1"),
+    ("train.micro_batch_tokens=0", ">= 1"),
+    ("train.save_every=0", ">= 1"),
+    ("train.keep_last=0", ">= 1"),
+    ("train.max_weight_lag=-1", ">= 0"),
+    ("train.max_bad_steps=0", ">= 1"),
+    ("train.lora.r=0", ">= 1"),
+    ("engine.max_batch_size=0", ">= 1"),
+    ("engine.max_context=0", ">= 1"),
+    ("server.max_queue=-1", ">= 0"),
+    ("server.max_body_bytes=0", ">= 1"),
+    ("server.default_max_tokens=0", ">= 1"),
+    ("judge.votes=0", ">= 1"),
+    ("judge.concurrency=0", ">= 1"),
+    ("judge.retries=-1", ">= 0"),
+    ("judge.timeout_s=0", "> 0"),
+    ("opd.topk=21", "between 0 and 20"),
+    ("opd.concurrency=0", ">= 1"),
+    ("cluster.tp=0", ">= 1"),
+    ("cluster.pp=0", ">= 1"),
+    ("cluster.procs_per_node=0", ">= 1"),
+    ("cluster.engines=0", ">= 1"),
+    ("cluster.bucket_mb=0", ">= 1"),
+    ("cluster.timeout_s=0", "> 0"),
+    ("cluster.engine_gpus=-1", ">= 0"),
+    ("sessions.idle_timeout_s=0", "> 0"),
+    ("combine.opd_wait_s=0", "> 0"),
+    ("combine.w_rl=-1", ">= 0"),
+    ("train.lr=0", "> 0"),
+    ("train.kl_coef=-0.1", ">= 0"),
+    ("train.grad_clip=-1", ">= 0"),
+    ("demo.interactions=0", ">= 1"),
+    ("demo.eval_prompts=0", ">= 1"),
+])
+def test_sizes_counts_and_timeouts_out_of_range_are_refused(override, reason):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    # floats show as floats (judge.timeout_s=0.0)
+    assert re.fullmatch(rf"{re.escape(key)}={re.escape(value)}(\.0)?: must be {re.escape(reason)}", str(e.value))
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("train.eps_clip_low=-0.1", "train.eps_clip_low=-0.1: must be >= 0 and < 1"),
+    ("train.eps_clip_high=-0.1", "train.eps_clip_high=-0.1: must be >= 0"),
+    ("train.dual_clip_c=1.0", "train.dual_clip_c=1.0: must be > 1"),
+    ("train.tis_cap=0", "train.tis_cap=0.0: must be > 0"),
+    ("train.icepop_band=[0.5]", "must be null or [low, high]"),
+    ("train.icepop_band=[1.5,2.0]", "0 < low <= 1 <= high"),
+    ("train.icepop_band=[0.5,0.9]", "0 < low <= 1 <= high"),
+    ("train.icepop_band=[0,2]", "0 < low <= 1 <= high"),
+    ("train.lr=nan", "train.lr=nan: must be a finite number"),
+    ("train.entropy_coef=inf", "train.entropy_coef=inf: must be a finite number"),
+    ("train.lora.target_modules=[]", "must name at least one module"),
+    ("run_dir=''", "run_dir='': must not be empty"),
+    ("cluster.ray_address=somewhere", "must be auto, local, host:port or ray://host:port"),
+])
+def test_loss_knobs_and_other_checks(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    assert fragment in str(e.value)
+
+
+def test_combine_needs_a_nonzero_weight():
+    assert compose(["method=combine", "combine.w_opd=0"]).combine.w_opd == 0
+    assert compose(["method=rl", "combine.w_rl=0", "combine.w_opd=0"])  # unused outside combine
+    with pytest.raises(ConfigError, match="method=combine needs at least one weight > 0"):
+        compose(["method=combine", "combine.w_rl=0", "combine.w_opd=0"])
+
+
+def test_optional_fields_accept_null_and_valid_values():
+    cfg = compose(["train.dual_clip_c=null", "train.tis_cap=null", "engine.max_context=null", "engine.threads=2",
+                   "train.icepop_band=[0.5,2.0]", "model.path=null", "server.api_key=null"])
+    assert cfg.train.dual_clip_c is None and cfg.train.tis_cap is None and cfg.engine.max_context is None
+    assert cfg.train.icepop_band == [0.5, 2.0] and cfg.engine.threads == 2
+
+
+def test_method_and_teacher_are_not_restricted_to_a_list():
+    # method is checked where it runs (a future method may be dir/file.py:Class); opd.teacher is a path
+    assert compose(["method=methods/mine.py:Mine"]).method == "methods/mine.py:Mine"
+    assert compose(["opd.teacher=/models/Qwen3-8B"]).opd.teacher == "/models/Qwen3-8B"
+
+
+def test_a_bad_value_in_a_yaml_layer_is_refused_and_named(tmp_path):
+    layer = tmp_path / "config.yaml"
+    layer.write_text("method: rl\nserver:\n  port: 99999\ntrain:\n  stale_policy: dorp\n")
+    with pytest.raises(ConfigError) as e:
+        compose(yaml_path=str(layer))
+    msg = str(e.value)
+    assert f"server.port=99999: must be between 0 and 65535 (in {layer})" in msg
+    assert "train.stale_policy='dorp': must be one of drop, importance_weight" in msg and "\n" not in msg
+    # an override wins over the layer, so fixing both on the command line composes
+    cfg = compose(["server.port=8000", "train.stale_policy=drop"], yaml_path=str(layer))
+    assert cfg.server.port == 8000
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_recipe_configs_compose(recipe):
+    cfg = compose(yaml_path=str(ROOT / recipe))
+    assert cfg.method == recipe.split("/")[0].removeprefix("openclaw-")
+
+
+def test_the_defaults_validate():
+    from clawrl.config import ClawrlConfig, config_problems
+
+    assert config_problems(ClawrlConfig()) == []
+    assert compose() == ClawrlConfig()
+
+
+def test_the_demo_defaults_validate():
+    from clawrl.demo.run import DEMO_DEFAULTS
+
+    for method in ("rl", "opd", "combine"):
+        compose([*DEMO_DEFAULTS, f"method={method}"])
+
+
+def test_choices_match_what_core_accepts():
+    """Every value core accepts for an enum field is accepted at composition, and nothing else."""
+    from clawrl import buffer, engines, judges, metrics
+    from clawrl.config import ClawrlConfig, _leaves
+    from clawrl.demo.users import USERS
+    from clawrl.judges.hints import HINT_KINDS
+    from clawrl.losses import AGGREGATION_MODES, GROUP_MODES
+    from clawrl.losses.kl import KL_ESTIMATORS
+    from clawrl.trainers import base as trainers
+    from clawrl.trainers.objective import TOPK_KL
+
+    core = {
+        "engine.backend": engines.BACKENDS, "trainer.backend": trainers.BACKENDS,
+        "train.stale_policy": buffer.STALE_POLICIES, "train.baseline": buffer.BASELINES,
+        "train.group_advantage": GROUP_MODES, "train.kl_estimator": KL_ESTIMATORS,
+        "train.aggregation": AGGREGATION_MODES, "judge.kind": judges.KINDS, "opd.hint_judge": HINT_KINDS,
+        "opd.topk_kl": TOPK_KL, "logging.wandb.mode": metrics.WANDB_MODES, "demo.user": tuple(USERS),
+    }
+    choices = {key: f.metadata["choices"] for key, f in _leaves(ClawrlConfig) if f.metadata.get("choices")}
+    for key, accepted in core.items():
+        assert set(choices[key]) == set(accepted), key
+    assert set(choices) - set(core) == {"model.dtype", "logging.level"}
+
+
+def test_logging_levels_and_dtypes_match_what_core_accepts():
+    import logging
+
+    import torch
+
+    from clawrl.config import DTYPES, LOG_LEVELS, LoggingConfig
+    from clawrl.engines.loading import resolve_dtype
+    from clawrl.metrics import configure_logging
+
+    for dtype in DTYPES:
+        resolve_dtype(dtype, torch.device("cpu"))
+    before = logging.getLogger("clawrl").level
+    try:
+        for level in LOG_LEVELS:
+            configure_logging(LoggingConfig(level=level.lower()))
+    finally:
+        logging.getLogger("clawrl").setLevel(before)
+
+
+# --- every field explains itself -----------------------------------------------------------------
+
+@pytest.mark.parametrize("key", all_keys())
+def test_every_field_has_help_text(key):
+    from clawrl.config import field_help
+
+    assert len(field_help(key).strip()) > 5
+
+
+def test_option_refuses_a_field_without_help():
+    from clawrl.config import option
+
+    with pytest.raises(ValueError, match="help text"):
+        option(1, "  ")
+
+
+def test_fields_are_documented_in_metadata_not_comments():
+    src = (CORE / "config.py").read_text()
+    body = src[src.index("class ModelConfig"):src.index("def _default")]
+    assert not re.search(r"^\s+# ", body, re.M), "document a field with option(..., help), not a # comment"
+
+
+def test_describe_config_lists_every_key_with_type_default_and_help():
+    from clawrl.config import describe_config, field_help
+
+    text = describe_config()
+    lines = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    for key in all_keys():
+        assert key in lines, f"{key} missing from describe_config()"
+        assert field_help(key) in lines[key]
+    assert re.search(r"^server\.port\s+int\s+30000\s+.*\[between 0 and 65535\]$", text, re.M)
+    assert re.search(r"^train\.stale_policy\s+str\s+drop\s+.*\[one of drop, importance_weight\]$", text, re.M)
+    assert re.search(r"^engine\.max_context\s+int\|null\s+null\s", text, re.M)
+    assert re.search(r"^train\.lora\.target_modules\s+list\[str\]\s+\[q_proj,k_proj,v_proj,o_proj\]\s", text, re.M)
+
+
+# --- user-facing examples compose ----------------------------------------------------------------
+
+_PLACEHOLDERS = {"N", "M", "DIR", "..."}
+
+
+def _documented_overrides() -> dict[str, str]:
+    """Literal ``key=value`` overrides in the docs, READMEs, run.sh scripts and benchmarks."""
+    keys = sorted(all_keys(), key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, keys)) + r")=(\[[^\]\s]*\]|[^\s\"'`,;)\]}]+)")
+    files = [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("*/run.sh"), *ROOT.glob("benchmarks/*.py")]
+    found = {}
+    for path in files:
+        for m in pattern.finditer(path.read_text()):
+            value = m.group(2).rstrip(".:")
+            if value in _PLACEHOLDERS or any(c in value for c in "{}$%|<>("):
+                continue
+            found.setdefault(f"{m.group(1)}={value}", str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_documented_override_composes():
+    found = _documented_overrides()
+    assert len(found) > 20  # the scan still finds the examples
+    refused = []
+    for override, where in sorted(found.items()):
+        try:
+            compose([override])
+        except ConfigError as e:
+            refused.append(f"{where}: {e}")
+    assert not refused, "\n".join(refused)

@@ -1,14 +1,20 @@
 """Typed configuration, composed by Hydra from these dataclasses plus ``key=value`` overrides.
 
-The dataclasses are the documentation: each field says what it does where it is defined. The
-config is frozen after composition, and ``tests/test_config.py`` proves every field is read
-somewhere in core, so no flag is parsed and then ignored.
+The dataclasses are the documentation: every field carries its help text and the values it
+accepts (a range, choices or a pattern) in its metadata (see ``option``). ``compose()`` refuses an
+unknown key with the closest valid names and, once the YAML layer and the overrides are applied,
+any value its field does not accept, in one line naming the key, the value and what is allowed.
+``describe_config()`` lists every key with its type, default, help and allowed values.
+``tests/test_config.py`` proves every field is read somewhere in core, so no flag is parsed and
+then ignored.
 """
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Optional
+import math
+import re
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
@@ -17,119 +23,164 @@ class ConfigError(ValueError):
     """A bad override or value; the message is one line meant for the user."""
 
 
+def option(default: Any, help: str, *, ge=None, le=None, gt=None, lt=None, choices=None,
+           ignore_case: bool = False, pattern: str | None = None, nonempty: bool = False,
+           check: Callable[[Any], str | None] | None = None, allowed: str | None = None,
+           type_name: str | None = None):
+    """A leaf field: its default, its help text and the values ``compose()`` accepts for it.
+
+    ``ge``/``gt``/``le``/``lt`` bound a number; ``choices`` lists the accepted strings
+    (``ignore_case``: compared upper-cased); ``pattern`` is a regex the whole string must match,
+    described by ``allowed``; ``nonempty`` refuses an empty string; ``check(value)`` returns a
+    reason the value is refused, or None (``allowed`` describes what it accepts). None passes
+    every check (OmegaConf already refuses None for a field that is not Optional). A list default
+    is copied per instance (``default_factory``).
+    """
+    if not help or not help.strip():
+        raise ValueError("every config field needs help text")
+    metadata = {"help": help.strip(), "ge": ge, "le": le, "gt": gt, "lt": lt,
+                "choices": tuple(choices) if choices else None, "ignore_case": ignore_case,
+                "pattern": pattern, "nonempty": nonempty, "check": check, "allowed": allowed,
+                "type_name": type_name}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=tuple(default): list(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type, help: str):
+    """A nested group of fields (``server.*``, ``train.lora.*``), with a one-line description."""
+    return field(default_factory=cls, metadata={"help": help.strip()})
+
+
+def _check_icepop_band(band) -> str | None:
+    if len(band) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in band):
+        return "must be null or [low, high], two numbers"
+    low, high = band
+    if not (0 < low <= 1 <= high) or not math.isfinite(high):
+        return "must be null or [low, high] with 0 < low <= 1 <= high < inf"
+    return None
+
+
+def _check_module_names(names) -> str | None:
+    if not names:
+        return "must name at least one module"
+    if not all(isinstance(n, str) and n.strip() for n in names):
+        return "must be a list of non-empty module names"
+    return None
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
 @dataclass
 class ModelConfig:
-    # HF model directory. None: the embedded tiny chat model, built on first use.
-    path: Optional[str] = None
-    # The model id clients send in "model"; None: the directory's name.
-    name: Optional[str] = None
-    # "auto": bf16 on CUDA, fp32 on CPU; or float32 | bfloat16 | float16.
-    dtype: str = "auto"
-    # "auto": cuda if available, else cpu.
-    device: str = "auto"
+    path: Optional[str] = option(None, "HF model directory. null: the embedded tiny chat model, built on first use.")
+    name: Optional[str] = option(None, 'The model id clients send in "model"; null: the directory\'s name.')
+    dtype: str = option("auto", "Serving dtype. auto: bf16 on CUDA, fp32 on CPU; or float32 | bfloat16 | float16 "
+                        "(fp32, bf16, fp16 are aliases).", choices=DTYPES)
+    device: str = option("auto", "Serving device. auto: cuda if available, else cpu; or cpu | cuda | cuda:N.",
+                         pattern=r"auto|cpu|cuda(:\d+)?", allowed="auto, cpu, cuda or cuda:N")
 
 
 @dataclass
 class EngineConfig:
-    # torch: the built-in engine. sglang: an SGLang runtime (optional dependency).
-    backend: str = "torch"
-    # Most requests decoded together in one step; more wait in the queue.
-    max_batch_size: int = 32
-    # Prompt tokens prefilled per step, so a long prompt does not stall others' decoding.
-    prefill_chunk_tokens: int = 2048
-    # KV of finished requests kept for prefix reuse, in tokens across all entries (LRU).
-    prefix_cache_tokens: int = 131072
-    # Context window; None: the model config's max_position_embeddings.
-    max_context: Optional[int] = None
-    # CPU threads for torch; None: leave torch's default.
-    threads: Optional[int] = None
+    backend: str = option("torch", "torch: the built-in engine. sglang: an SGLang runtime (optional dependency).",
+                          choices=("torch", "sglang"))
+    max_batch_size: int = option(32, "Most requests decoded together in one step; more wait in the queue.", ge=1)
+    prefill_chunk_tokens: int = option(2048, "Prompt tokens prefilled per step, so a long prompt does not stall "
+                                       "others' decoding.", ge=1)
+    prefix_cache_tokens: int = option(131072, "KV of finished requests kept for prefix reuse, in tokens across "
+                                      "all entries (LRU); 0: no prefix cache.", ge=0)
+    max_context: Optional[int] = option(None, "Context window in tokens; null: the model config's "
+                                        "max_position_embeddings.", ge=1)
+    threads: Optional[int] = option(None, "CPU threads for torch; null: leave torch's default.", ge=1)
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    # Bearer key for /v1. Mandatory when host is not loopback.
-    api_key: Optional[str] = None
-    # Bearer key for /admin; defaults to api_key.
-    admin_key: Optional[str] = None
-    # Request bodies larger than this get 413.
-    max_body_bytes: int = 8 * 1024 * 1024
-    # Requests waiting for the engine beyond this get 429 with Retry-After.
-    max_queue: int = 64
-    # Over-long prompts: False answers 400 context_length_exceeded; True keeps the system
-    # prompt and the latest turns that fit.
-    truncate_history: bool = False
-    # Default max tokens for a completion when the client sends none.
-    default_max_tokens: int = 512
+    host: str = option("127.0.0.1", "Address to listen on; anything but loopback requires server.api_key.",
+                       nonempty=True)
+    port: int = option(30000, "TCP port to listen on; 0: any free port (the one chosen is printed).", ge=0, le=65535)
+    api_key: Optional[str] = option(None, "Bearer key for /v1 (several: comma-separated, one per caller). "
+                                    "Mandatory when host is not loopback.")
+    admin_key: Optional[str] = option(None, "Bearer key for /admin; null: server.api_key.")
+    max_body_bytes: int = option(8 * 1024 * 1024, "Request bodies larger than this get 413.", ge=1)
+    max_queue: int = option(64, "Requests waiting for the engine beyond this get 429 with Retry-After; "
+                            "0: none wait.", ge=0)
+    truncate_history: bool = option(False, "Over-long prompts: false answers 400 context_length_exceeded; true "
+                                    "keeps the system prompt and the latest turns that fit.")
+    default_max_tokens: int = option(512, "Default max tokens for a completion when the client sends none.", ge=1)
 
 
 @dataclass
 class SessionsConfig:
-    # A session with no request for this long is closed; its last turn gets no next state.
-    idle_timeout_s: float = 1800.0
+    idle_timeout_s: float = option(1800.0, "A session with no request for this many seconds is closed; its last "
+                                   "turn gets no next state.", gt=0)
 
 
 @dataclass
 class LoraConfig:
-    # Train LoRA adapters (peft) instead of full weights; served weights have LoRA merged.
-    enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    # Module names to adapt (peft target_modules).
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    enabled: bool = option(False, "Train LoRA adapters (peft) instead of full weights; served weights have "
+                           "LoRA merged.")
+    r: int = option(8, "LoRA rank.", ge=1)
+    alpha: int = option(16, "LoRA alpha; adapters are scaled by alpha / r.", ge=1)
+    dropout: float = option(0.0, "Dropout on the LoRA path, a probability.", ge=0, lt=1)
+    target_modules: list = option(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                  "Module names to adapt (peft target_modules).", check=_check_module_names,
+                                  allowed="one or more module names", type_name="list[str]")
 
 
 @dataclass
 class TrainConfig:
-    # False: serve and record only, never train.
-    enabled: bool = True
-    # Ready samples per train step; training starts once this many are ready.
-    batch_size: int = 8
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    # Gradient-norm clip; 0 disables.
-    grad_clip: float = 1.0
-    # Dynamic micro-batches: most tokens (prompt + response) in one forward/backward.
-    micro_batch_tokens: int = 16384
-    gradient_checkpointing: bool = False
-    # Checkpoint every N train steps, keeping the last N (written atomically).
-    save_every: int = 10
-    keep_last: int = 3
-    # A sample whose oldest token is more than this many weight versions behind is stale.
-    max_weight_lag: int = 4
-    # Stale samples: drop (skip with a reason) | importance_weight (train with TIS weights).
-    stale_policy: str = "drop"
-    # Advantage of a live-chat sample (one per prompt): reward | ema (reward minus a running baseline).
-    baseline: str = "reward"
-    baseline_decay: float = 0.9
-    # For groups of n>1 samples per prompt: grpo (mean/std) | dr_grpo (mean only).
-    group_advantage: str = "grpo"
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.28
-    # Dual-clip constant for negative advantages; None disables.
-    dual_clip_c: Optional[float] = 3.0
-    # KL to the reference policy: coefficient (0: off), estimator k1|k2|k3, and where it goes.
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
-    # Rollout/trainer mismatch: TIS cap (None: off) and IcePop band [low, high] (None: off).
-    tis_cap: Optional[float] = 2.0
-    icepop_band: Optional[list] = None
-    # token-mean | seq-mean-token-mean | seq-mean-token-sum
-    aggregation: str = "token-mean"
-    # NaN/inf losses in a row before training pauses itself.
-    max_bad_steps: int = 3
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    enabled: bool = option(True, "false: serve and record only, never train.")
+    batch_size: int = option(8, "Ready samples per train step; training starts once this many are ready.", ge=1)
+    lr: float = option(1e-5, "Learning rate (AdamW).", gt=0)
+    weight_decay: float = option(0.0, "AdamW weight decay.", ge=0)
+    grad_clip: float = option(1.0, "Gradient-norm clip; 0 disables.", ge=0)
+    micro_batch_tokens: int = option(16384, "Dynamic micro-batches: most tokens (prompt + response) in one "
+                                     "forward/backward.", ge=1)
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass: less memory, "
+                                          "slower steps.")
+    save_every: int = option(10, "Checkpoint every N train steps (written atomically).", ge=1)
+    keep_last: int = option(3, "Checkpoints kept; older ones are pruned.", ge=1)
+    max_weight_lag: int = option(4, "A sample whose oldest token is more than this many weight versions behind "
+                                 "is stale.", ge=0)
+    stale_policy: str = option("drop", "Stale samples: drop (skip with a reason) | importance_weight (train with "
+                               "TIS weights).", choices=("drop", "importance_weight"))
+    baseline: str = option("reward", "Advantage of a live-chat sample (one per prompt): reward | ema (reward minus "
+                           "a running baseline).", choices=("reward", "ema"))
+    baseline_decay: float = option(0.9, "Decay of the ema baseline: value <- decay * value + (1 - decay) * reward.",
+                                   ge=0, lt=1)
+    group_advantage: str = option("grpo", "For groups of n>1 samples per prompt: grpo (mean/std) | dr_grpo "
+                                  "(mean only).", choices=("grpo", "dr_grpo"))
+    eps_clip_low: float = option(0.2, "PPO clip: the ratio may fall to 1 - eps_clip_low before clipping.",
+                                 ge=0, lt=1)
+    eps_clip_high: float = option(0.28, "PPO clip: the ratio may rise to 1 + eps_clip_high (DAPO clip-higher).",
+                                  ge=0)
+    dual_clip_c: Optional[float] = option(3.0, "Dual-clip constant for negative advantages; null disables.", gt=1)
+    kl_coef: float = option(0.0, "KL to the reference policy: coefficient; 0: off.", ge=0)
+    kl_estimator: str = option("k3", "KL estimator: k1 | k2 | k3.", choices=("k1", "k2", "k3"))
+    kl_in_reward: bool = option(False, "true: the KL is folded into the advantage; false: a loss term.")
+    entropy_coef: float = option(0.0, "Weight of the entropy bonus; 0: off (negative: an entropy penalty).")
+    tis_cap: Optional[float] = option(2.0, "Rollout/trainer mismatch: truncated importance sampling cap on "
+                                      "pi_old/pi_rollout; null: off.", gt=0)
+    icepop_band: Optional[list] = option(None, "Rollout/trainer mismatch: IcePop band [low, high]; tokens whose "
+                                         "pi_old/pi_rollout falls outside are masked; null: off.",
+                                         check=_check_icepop_band, allowed="null or [low, high] with "
+                                         "0 < low <= 1 <= high < inf", type_name="list[float]")
+    aggregation: str = option("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean | "
+                              "seq-mean-token-sum.",
+                              choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    max_bad_steps: int = option(3, "NaN/inf losses in a row before training pauses itself.", ge=1)
+    lora: LoraConfig = section(LoraConfig, "LoRA adapters instead of full fine-tuning.")
 
 
 @dataclass
 class TrainerConfig:
-    # torch: the built-in HF/torch trainer (one process). megatron: megatron-core with tensor,
-    # pipeline and data parallelism over trainer ranks in their own processes (cluster.*).
-    backend: str = "torch"
+    backend: str = option("torch", "torch: the built-in HF/torch trainer (one process). megatron: megatron-core "
+                          "with tensor, pipeline and data parallelism over trainer ranks in their own processes "
+                          "(cluster.*).", choices=("torch", "megatron"))
 
 
 @dataclass
@@ -140,137 +191,293 @@ class ClusterConfig:
     GPUS_PER_NODE), as torchrun reads it; these fields are the parallel layout and the plumbing.
     """
 
-    # Tensor- and pipeline-parallel sizes; data parallel = trainer ranks / (tp * pp).
-    tp: int = 1
-    pp: int = 1
-    # Trainer ranks per node when GPUS_PER_NODE is unset (on CPU: processes, gloo).
-    procs_per_node: int = 1
-    # mcore DDP with the distributed optimizer (optimizer state sharded over data-parallel ranks).
-    distributed_optimizer: bool = True
-    # Seconds a connection, collective or weight sync may take before it fails with a reason.
-    timeout_s: float = 300.0
-    # Ports on MASTER_ADDR for the driver's control channel and the weight-sync process group
-    # (0: MASTER_PORT + 1 and MASTER_PORT + 2).
-    control_port: int = 0
-    sync_port: int = 0
-    # Weight-sync bucket size: HF-named tensors are streamed in buckets of at most this many MB.
-    bucket_mb: int = 256
-    # Place serving engines with Ray (an existing cluster at ray_address, or a local one).
-    ray: bool = False
-    ray_address: str = "auto"
-    # Engines to place, and the GPUs each takes (0 on CPU).
-    engines: int = 1
-    engine_gpus: float = 0.0
+    tp: int = option(1, "Tensor-parallel size; data parallel = trainer ranks / (tp * pp).", ge=1)
+    pp: int = option(1, "Pipeline-parallel size; data parallel = trainer ranks / (tp * pp).", ge=1)
+    procs_per_node: int = option(1, "Trainer ranks per node when GPUS_PER_NODE is unset (on CPU: processes, "
+                                 "gloo).", ge=1)
+    distributed_optimizer: bool = option(True, "mcore DDP with the distributed optimizer (optimizer state sharded "
+                                         "over data-parallel ranks).")
+    timeout_s: float = option(300.0, "Seconds a connection, collective or weight sync may take before it fails "
+                              "with a reason.", gt=0)
+    control_port: int = option(0, "Port on MASTER_ADDR for the driver's control channel; 0: MASTER_PORT + 1.",
+                               ge=0, le=65535)
+    sync_port: int = option(0, "Port on MASTER_ADDR for the weight-sync process group; 0: MASTER_PORT + 2.",
+                            ge=0, le=65535)
+    bucket_mb: int = option(256, "Weight-sync bucket size: HF-named tensors are streamed in buckets of at most "
+                            "this many MB.", ge=1)
+    ray: bool = option(False, "Place serving engines with Ray (an existing cluster at ray_address, or a local one).")
+    ray_address: str = option("auto", "Ray cluster: auto (RAY_ADDRESS, else a new local one) | local | host:port | "
+                              "ray://host:port.", pattern=r"auto|local|([A-Za-z][A-Za-z0-9+.-]*://)?\S+:\d+",
+                              allowed="auto, local, host:port or ray://host:port")
+    engines: int = option(1, "Serving engines to place with Ray.", ge=1)
+    engine_gpus: float = option(0.0, "GPUs each Ray-placed engine takes (0 on CPU; fractions share a GPU).", ge=0)
 
 
 @dataclass
 class JudgeModelConfig:
-    # HF directory of the PRM judge model; None: the frozen base policy.
-    path: Optional[str] = None
+    path: Optional[str] = option(None, "HF directory of the PRM judge model; null: the frozen base policy.")
 
 
 @dataclass
 class JudgeConfig:
-    # rules: explicit feedback rules (default). prm: a model judge. env: environment verdicts.
-    kind: str = "rules"
-    # Votes per turn for the PRM judge; the majority decides, ties give 0.
-    votes: int = 3
-    # Turns judged at once; a judge call slower than timeout_s is retried up to retries times.
-    concurrency: int = 2
-    timeout_s: float = 60.0
-    retries: int = 1
-    model: JudgeModelConfig = field(default_factory=JudgeModelConfig)
+    kind: str = option("rules", "The reward judge. rules: explicit feedback rules. prm: a model judge with "
+                       "majority votes. env: environment verdicts.", choices=("rules", "prm", "env"))
+    votes: int = option(3, "Votes per turn for the PRM judge; the majority decides, ties give 0.", ge=1)
+    concurrency: int = option(2, "Turns judged at once.", ge=1)
+    timeout_s: float = option(60.0, "A judge call slower than this many seconds fails (and is retried).", gt=0)
+    retries: int = option(1, "Retries of a failed or timed-out judge call.", ge=0)
+    model: JudgeModelConfig = section(JudgeModelConfig, "The PRM judge's model.")
 
 
 @dataclass
 class OpdConfig:
-    # On-policy distillation: hint judge rules (correction phrases) | model (votes from a judge engine).
-    hint_judge: str = "rules"
-    # Votes per turn for the model hint judge; a strict majority must accept.
-    votes: int = 3
-    # Teacher scoring the sampled tokens under the hinted prompt: policy (the serving engine) | a model path.
-    teacher: str = "policy"
-    # Teacher top-k ids/logprobs stored per token for top-k distillation; 0: sampled tokens only.
-    topk: int = 0
-    # Turns hint-judged or teacher-scored at once; keep small so scoring never crowds out serving.
-    concurrency: int = 1
-    # Weight of the top-k distillation loss (used when topk > 0); 0: token advantages only.
-    topk_coef: float = 1.0
-    # Its direction: reverse (KL(student || teacher), mode-seeking, cannot raise a token the student
-    # gives ~0 probability) | forward (KL(teacher || student), pulls the student onto the teacher's top-k).
-    topk_kl: str = "reverse"
-    # |teacher - student| logprob gap is clipped to this, so one near-impossible token cannot dominate.
-    adv_clip: float = 5.0
+    hint_judge: str = option("rules", "On-policy distillation: hint judge rules (correction phrases) | model "
+                             "(votes from a judge engine).", choices=("rules", "model"))
+    votes: int = option(3, "Votes per turn for the model hint judge; a strict majority must accept.", ge=1)
+    teacher: str = option("policy", "Teacher scoring the sampled tokens under the hinted prompt: policy (the "
+                          "serving engine) | a model path.", nonempty=True)
+    topk: int = option(0, "Teacher top-k ids/logprobs stored per token for top-k distillation; 0: sampled tokens "
+                       "only.", ge=0, le=20)
+    concurrency: int = option(1, "Turns hint-judged or teacher-scored at once; keep small so scoring never crowds "
+                              "out serving.", ge=1)
+    topk_coef: float = option(1.0, "Weight of the top-k distillation loss (used when topk > 0); 0: token "
+                              "advantages only.", ge=0)
+    topk_kl: str = option("reverse", "Direction of the top-k distillation: reverse (KL(student || teacher), "
+                          "mode-seeking, cannot raise a token the student gives ~0 probability) | forward "
+                          "(KL(teacher || student), pulls the student onto the teacher's top-k).",
+                          choices=("reverse", "forward"))
+    adv_clip: float = option(5.0, "|teacher - student| logprob gap is clipped to this, so one near-impossible "
+                             "token cannot dominate.", gt=0)
 
 
 @dataclass
 class CombineConfig:
-    # method=combine: A = w_rl * A_rl + w_opd * A_opd per token (a turn with one signal gets that term).
-    w_rl: float = 1.0
-    w_opd: float = 1.0
-    # A judged turn whose teacher score is still missing after this many seconds trains RL-only.
-    opd_wait_s: float = 120.0
+    w_rl: float = option(1.0, "method=combine: weight of the RL advantage in A = w_rl * A_rl + w_opd * A_opd "
+                         "per token (a turn with one signal gets that term).", ge=0)
+    w_opd: float = option(1.0, "method=combine: weight of the OPD advantage in A = w_rl * A_rl + w_opd * A_opd.",
+                          ge=0)
+    opd_wait_s: float = option(120.0, "A judged turn whose teacher score is still missing after this many seconds "
+                               "trains RL-only.", gt=0)
 
 
 @dataclass
 class WandbConfig:
-    # offline (default) | online (falls back to offline without network) | disabled
-    mode: str = "offline"
-    project: str = "clawrl"
+    mode: str = option("offline", "offline (default) | online (falls back to offline without network) | "
+                       "disabled.", choices=("offline", "online", "disabled"))
+    project: str = option("clawrl", "WandB project name.", nonempty=True)
 
 
 @dataclass
 class LoggingConfig:
-    level: str = "INFO"
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    level: str = option("INFO", "Log level of clawrl's loggers, any case.", choices=LOG_LEVELS, ignore_case=True)
+    wandb: WandbConfig = section(WandbConfig, "WandB metrics logging (metrics.jsonl is always written).")
 
 
 @dataclass
 class DemoConfig:
-    # The simulated user's hidden preference: worked ("7 + 5 = 12") | bare (just a number).
-    user: str = "worked"
-    # Interactions with the simulated user: a question, the model's reply, the user's feedback.
-    interactions: int = 160
-    # Measure the preference-satisfaction rate before the first and after every N interactions.
-    eval_every: int = 40
-    # Held-out questions per measurement.
-    eval_prompts: int = 64
-    # Most tokens of a reply to a question.
-    max_tokens: int = 24
+    user: str = option("worked", 'The simulated user\'s hidden preference: worked ("7 + 5 = 12") | bare (just a '
+                       'number) | student (a bare number, natural corrections) | teacher (a friendly "Sure!" '
+                       'and the worked sum).', choices=("bare", "worked", "student", "teacher"))
+    interactions: int = option(160, "Interactions with the simulated user: a question, the model's reply, the "
+                               "user's feedback.", ge=1)
+    eval_every: int = option(40, "Measure the preference-satisfaction rate before the first and after every N "
+                             "interactions.", ge=1)
+    eval_prompts: int = option(64, "Held-out questions per measurement.", ge=1)
+    max_tokens: int = option(24, "Most tokens of a reply to a question.", ge=1)
 
 
 @dataclass
 class ClawrlConfig:
-    # Personal-agent method or environment: rl | opd | combine (set by each method's run.sh).
-    method: str = "rl"
-    # Everything a run writes: the SQLite store, checkpoints, logs.
-    run_dir: str = "runs/default"
-    seed: int = 0
-    model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    sessions: SessionsConfig = field(default_factory=SessionsConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    opd: OpdConfig = field(default_factory=OpdConfig)
-    combine: CombineConfig = field(default_factory=CombineConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    # ``clawrl demo`` only: the simulated user and how the demo measures learning.
-    demo: DemoConfig = field(default_factory=DemoConfig)
+    method: str = option("rl", "Personal-agent method or environment: rl | opd | combine (set by each method's "
+                         "run.sh).", nonempty=True)
+    run_dir: str = option("runs/default", "Everything a run writes: the SQLite store, checkpoints, logs.",
+                          nonempty=True)
+    seed: int = option(0, "Seed for LoRA adapter init, the SGLang runtime, model-judge votes and the demo.")
+    model: ModelConfig = section(ModelConfig, "The policy model being served and trained.")
+    engine: EngineConfig = section(EngineConfig, "The inference engine.")
+    server: ServerConfig = section(ServerConfig, "The OpenAI-compatible HTTP server.")
+    sessions: SessionsConfig = section(SessionsConfig, "Linking requests into sessions.")
+    train: TrainConfig = section(TrainConfig, "What trains and how: batches, the policy loss, checkpoints.")
+    trainer: TrainerConfig = section(TrainerConfig, "The training backend.")
+    cluster: ClusterConfig = section(ClusterConfig, "Parallel layout and placement (megatron trainer, Ray engines).")
+    judge: JudgeConfig = section(JudgeConfig, "The reward judge (rl, combine).")
+    opd: OpdConfig = section(OpdConfig, "On-policy distillation (opd, combine).")
+    combine: CombineConfig = section(CombineConfig, "method=combine: mixing the RL and OPD advantages.")
+    logging: LoggingConfig = section(LoggingConfig, "Logs and metrics.")
+    demo: DemoConfig = section(DemoConfig, "clawrl demo only: the simulated user and how the demo measures "
+                               "learning.")
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def _leaves(cls=ClawrlConfig, prefix: str = ""):
+    """(dotted key, dataclass field) of every leaf, in definition order."""
+    for f in fields(cls):
+        default = _default(f)
+        if is_dataclass(default):
+            yield from _leaves(type(default), prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f
 
 
 def all_keys(cls=ClawrlConfig, prefix: str = "") -> list[str]:
     """Dotted names of every leaf field, e.g. ``server.port``."""
+    return [key for key, _ in _leaves(cls, prefix)]
+
+
+def field_help(key: str) -> str:
+    """The help text of a leaf key, e.g. ``field_help("server.port")``."""
+    for k, f in _leaves():
+        if k == key:
+            return f.metadata["help"]
+    raise KeyError(key)
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _range_text(m: dict) -> str | None:
+    ge, gt, le, lt = m.get("ge"), m.get("gt"), m.get("le"), m.get("lt")
+    if ge is not None and le is not None and gt is None and lt is None:
+        return f"between {_num(ge)} and {_num(le)}"
+    parts = [f"{op} {_num(v)}" for op, v in ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if v is not None]
+    return " and ".join(parts) or None
+
+
+def allowed_text(key: str) -> str | None:
+    """What ``key`` accepts, in words (None: any value of its type)."""
+    for k, f in _leaves():
+        if k == key:
+            return _allowed(f)
+    raise KeyError(key)
+
+
+def _allowed(f) -> str | None:
+    m = f.metadata
+    if m.get("choices"):
+        return "one of " + ", ".join(m["choices"]) + (" (any case)" if m.get("ignore_case") else "")
+    if m.get("allowed"):
+        return m["allowed"]
+    rng = _range_text(m)
+    if rng:
+        return rng
+    if m.get("nonempty"):
+        return "a non-empty string"
+    return None
+
+
+def _show(value) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return "null" if value is None else str(value)
+
+
+def _problem(f, value) -> str | None:
+    """Why ``value`` is refused for field ``f`` (the text after ``key=value: ``), or None."""
+    m = f.metadata
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if isinstance(value, str):
+        if m.get("choices"):
+            given = value.upper() if m.get("ignore_case") else value
+            if given not in m["choices"]:
+                return "must be " + _allowed(f)
+        if m.get("pattern") and not re.fullmatch(m["pattern"], value):
+            return "must be " + (m.get("allowed") or f"a match of {m['pattern']}")
+        if m.get("nonempty") and not value.strip():
+            return "must not be empty"
+    if isinstance(value, (int, float)):
+        ge, gt, le, lt = m.get("ge"), m.get("gt"), m.get("le"), m.get("lt")
+        if ((ge is not None and not value >= ge) or (gt is not None and not value > gt)
+                or (le is not None and not value <= le) or (lt is not None and not value < lt)):
+            return "must be " + _range_text(m)
+    if m.get("check"):
+        return m["check"](value)
+    return None
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _cross_problems(cfg: ClawrlConfig) -> list[tuple[str, str]]:
+    """Mistakes no single field shows: (key, one-line message)."""
     out = []
-    for f in fields(cls):
-        default = f.default_factory() if f.default_factory is not field().default_factory else f.default
-        if is_dataclass(default):
-            out += all_keys(type(default), prefix + f.name + ".")
-        else:
-            out.append(prefix + f.name)
+    c = cfg.cluster
+    if c.control_port and c.control_port == c.sync_port:
+        out.append(("cluster.sync_port", f"cluster.control_port={c.control_port} and cluster.sync_port="
+                    f"{c.sync_port}: must differ (0 for either: derived from MASTER_PORT)"))
+    if cfg.method == "combine" and cfg.combine.w_rl == 0 and cfg.combine.w_opd == 0:
+        out.append(("combine.w_rl", f"combine.w_rl={_num(cfg.combine.w_rl)} and combine.w_opd="
+                    f"{_num(cfg.combine.w_opd)}: method=combine needs at least one weight > 0 (nothing would train)"))
     return out
+
+
+def config_problems(cfg: ClawrlConfig) -> list[tuple[str, str]]:
+    """Every value ``cfg`` holds that its field does not accept: (key, one-line message)."""
+    out = []
+    for key, f in _leaves():
+        reason = _problem(f, _get(cfg, key))
+        if reason:
+            out.append((key, f"{key}={_show(_get(cfg, key))}: {reason}"))
+    return out + _cross_problems(cfg)
+
+
+def validate_config(cfg: ClawrlConfig, sources: dict[str, str] | None = None) -> None:
+    """Raise ConfigError (one line) if any value of ``cfg`` is not accepted by its field.
+
+    ``sources`` maps a key to where its value came from (a YAML file), added to the message.
+    """
+    problems = config_problems(cfg)
+    if problems:
+        sources = sources or {}
+        raise ConfigError("; ".join(msg + (f" (in {sources[key]})" if key in sources else "")
+                                    for key, msg in problems))
+
+
+def _type_name(f) -> str:
+    if f.metadata.get("type_name"):
+        name = f.metadata["type_name"]
+        return name + "|null" if str(f.type).startswith("Optional[") else name
+    t = str(f.type)
+    if t.startswith("Optional[") and t.endswith("]"):
+        return t[len("Optional["):-1] + "|null"
+    return t
+
+
+def _default_text(value) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    if isinstance(value, str):
+        return value if value else "''"
+    return _show(value)
+
+
+def describe_config() -> str:
+    """Every key as ``key  type  default  help [allowed]``, one line each (``--help-config``)."""
+    rows = [(key, _type_name(f), _default_text(_default(f)), f.metadata["help"], _allowed(f))
+            for key, f in _leaves()]
+    wk = max(len(r[0]) for r in rows + [("key",)])
+    wt = max(len(r[1]) for r in rows)
+    wd = max(len(r[2]) for r in rows)
+    lines = ["clawrl configuration: set any key with key=value (e.g. server.port=8000); a method's "
+             "config.yaml layers under your overrides.", "",
+             f"{'key'.ljust(wk)}  {'type'.ljust(wt)}  {'default'.ljust(wd)}  help [allowed values]"]
+    for key, typ, default, help_text, allowed in rows:
+        line = f"{key.ljust(wk)}  {typ.ljust(wt)}  {default.ljust(wd)}  {help_text}"
+        lines.append(line + (f" [{allowed}]" if allowed else ""))
+    return "\n".join(lines) + "\n"
 
 
 def _suggest(key: str) -> str:
@@ -281,10 +488,12 @@ def _suggest(key: str) -> str:
 def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None = None) -> ClawrlConfig:
     """Build the config: dataclass defaults, then a method's ``config.yaml``, then overrides.
 
-    Unknown keys are refused with the closest valid names. Returns a plain dataclass instance.
+    Unknown keys are refused with the closest valid names, and then every value is checked
+    against what its field accepts (``validate_config``). Returns a plain dataclass instance.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    known = set(all_keys())
     base = OmegaConf.structured(ClawrlConfig)
     OmegaConf.set_struct(base, True)
     layers = []
@@ -300,16 +509,18 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
         key = ov.key_or_group
         if ov.is_delete() or ov.is_add():
             raise ConfigError(f"override '{ov.input_line}': only key=value is supported")
-        if key not in all_keys():
+        if key not in known:
             raise ConfigError(f"unknown config key '{key}'{_suggest(key)}")
         value = ov.value()
         dotlist.append((key, value))
     cfg = base
+    from_yaml: dict[str, str] = {}
     try:
         for layer in layers:
             for key in _leaf_keys(layer):
-                if key not in all_keys():
+                if key not in known:
                     raise ConfigError(f"unknown config key '{key}' in {yaml_path}{_suggest(key)}")
+                from_yaml[key] = str(yaml_path)
             cfg = OmegaConf.merge(cfg, layer)
         obj = OmegaConf.to_object(cfg)
     except ConfigError:
@@ -322,7 +533,9 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
             OmegaConf.update(cfg, key, value, merge=False)
         except Exception as e:
             raise ConfigError(f"{key}={value}: {str(e).splitlines()[0]}") from None
+        from_yaml.pop(key, None)
     obj = OmegaConf.to_object(cfg)
+    validate_config(obj, from_yaml)
     return obj
 
 
