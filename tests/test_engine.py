@@ -426,13 +426,20 @@ def test_shutdown_engine_refuses_new_requests(loaded):
 
 
 def test_sglang_backend_without_sglang_is_a_clear_error():
-    from clawrl.config import compose
+    import dataclasses
+
+    from clawrl.config import ConfigError, compose
     from clawrl.engines import make_engine
 
     with pytest.raises(EngineError, match="^SGLang is not installed; pip install sglang"):
         make_engine(compose(["engine.backend=sglang"]))
+    with pytest.raises(ConfigError, match="engine.backend='vllm': must be one of torch, sglang"):
+        compose(["engine.backend=vllm"])
+    # a config built in code skips composition: make_engine still refuses the name itself
+    cfg = compose([])
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, backend="vllm"))
     with pytest.raises(EngineError, match="unknown engine.backend 'vllm'"):
-        make_engine(compose(["engine.backend=vllm"]))
+        make_engine(cfg)
 
 
 def test_prefix_hit_on_kv_written_during_batched_decoding(loaded):

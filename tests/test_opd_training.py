@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from clawrl.config import ConfigError
 from clawrl.samples import Sample
-from clawrl.trainers import TrainerError
 from test_trainer import make_samples, model_dir, on_policy, trainer_for  # noqa: F401 (fixture)
 
 
@@ -76,7 +76,7 @@ def test_topk_of_another_k_is_not_used_and_a_bad_direction_is_refused(model_dir)
     with_teacher(s, [0.5] * n, topk=([[3, 4]] * n, [[-0.1, -3.0]] * n))  # stored with K=2
     result = trainer.train_step([s], weight_version=0)
     assert result.ok and "topk_kl" not in result.metrics
-    with pytest.raises(TrainerError, match="opd.topk_kl"):
+    with pytest.raises(ConfigError, match="opd.topk_kl='sideways'"):
         trainer_for(model_dir, "method=opd", "opd.topk_kl=sideways")
 
 
