@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -89,3 +91,25 @@ def test_demo_refuses_a_run_dir_that_holds_a_run(tmp_path, capsys):
 def test_demo_of_an_unknown_method_is_a_one_line_error(tmp_path, capsys):
     assert main(["demo", "method=sft", f"run_dir={tmp_path / 'x'}"]) == 2
     assert "unknown method 'sft'" in capsys.readouterr().err
+
+
+def test_demo_console_shows_progress_and_measurements_not_request_logs(tmp_path):
+    """The console of a short demo: its own lines, the progress bar and the table; the per-request
+    and per-sample INFO lines (640 httpx lines alone in a default run) go to run_dir/demo.log."""
+    model = build_tiny_model(model_cache_dir())
+    run_dir = tmp_path / "demo"
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from clawrl.cli import main; sys.exit(main())", "demo", "method=rl",
+         f"model.path={model}", "model.name=tiny", f"run_dir={run_dir}", "demo.interactions=4", "demo.eval_every=2",
+         "demo.eval_prompts=3", "train.batch_size=2", "engine.threads=1"],
+        capture_output=True, timeout=600)  # bytes: a progress bar's \r redraws are not lines
+    stdout, stderr = out.stdout.decode(), out.stderr.decode()
+    assert out.returncode == 0, stderr
+    console = stdout + stderr
+    lines = console.count("\n")
+    assert "HTTP Request" not in console and " INFO " not in console, console
+    assert sum(line.startswith("clawrl demo: after") for line in stdout.splitlines()) == 3  # 0, 2, 4
+    assert "rise:" in stdout and "interactions: 100%" in stderr
+    assert lines < 30, console  # 16 measured at these settings; 110 before (17 of them httpx requests)
+    kept = (run_dir / "demo.log").read_text()
+    assert "INFO clawrl.orchestration.learner: train step 2" in kept and "INFO clawrl.sessions:" in kept

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -93,9 +94,10 @@ async def run_demo(cfg) -> list[Point]:
             step = learner.train_step if learner is not None else 0
             points.append(Point(k, rate, right, engine.model_info().weight_version, step, online,
                                 round(time.monotonic() - started, 1)))
-            log.info("after %d interactions: %.0f%% of %d held-out questions answered the way the user likes "
-                     "(weight version %d, train step %d)", k, 100 * rate, len(held_out),
-                     points[-1].weight_version, step)
+            line = (f"after {k} interactions: {100 * rate:.0f}% of {len(held_out)} held-out questions answered the "
+                    f"way the user likes (weight version {points[-1].weight_version}, train step {step})")
+            log.info(line)
+            tqdm.write(f"clawrl demo: {line}", file=sys.stdout)  # above the progress bar, not through it
 
         await measure(0)
         for i in tqdm(range(1, demo.interactions + 1), desc="interactions", unit="chat"):
@@ -167,12 +169,21 @@ def demo_cli(args) -> int:
     demo = cfg.demo
     if demo.interactions < 1 or demo.eval_every < 1 or demo.eval_prompts < 1 or demo.max_tokens < 1:
         raise CliError("demo.interactions, demo.eval_every, demo.eval_prompts and demo.max_tokens must be >= 1")
-    logging.basicConfig(level=getattr(logging, cfg.logging.level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from clawrl.logs import parse_level, setup_logging
+
+    # The console gets warnings only (all of it at logging.level=DEBUG); the log file everything.
+    log_path = run_dir / "demo.log"
+    debug = parse_level(cfg.logging.level) <= logging.DEBUG
+    log_file = setup_logging(cfg.logging.level, console_level=None if debug else "WARNING", log_file=log_path)
     print(f"clawrl demo: method={cfg.method}, simulated user '{demo.user}', {demo.interactions} interactions, "
-          f"{demo.eval_prompts} held-out questions every {demo.eval_every}; writing to {run_dir}", flush=True)
-    points = asyncio.run(run_demo(cfg))
+          f"{demo.eval_prompts} held-out questions every {demo.eval_every}; writing to {run_dir} "
+          f"(log: {log_path})", flush=True)
+    try:
+        points = asyncio.run(run_demo(cfg))
+    finally:
+        logging.getLogger().removeHandler(log_file)
+        log_file.close()
     png, md, table = write_outputs(points, cfg, run_dir / "demo")
     print(table, flush=True)
-    print(f"clawrl demo: table in {md}, plot in {png}", flush=True)
+    print(f"clawrl demo: table in {md}, plot in {png}, log in {log_path}", flush=True)
     return 0

@@ -100,7 +100,8 @@ def _serve_trainer_ranks_only(cfg) -> int:
 def serve_cli(args) -> int:
     cfg = compose(args.overrides, args.config)
     check_method(cfg.method)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from clawrl.logs import setup_logging
+    setup_logging(cfg.logging.level)  # clawrl at logging.level, libraries (httpx, uvicorn.access, ...) at WARNING
     if cfg.trainer.backend == "megatron" and cfg.train.enabled and not _is_driver_node(cfg):
         return _serve_trainer_ranks_only(cfg)
     try:
