@@ -22,11 +22,20 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="output directory (default: the data directory cache)")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
 
-    c = sub.add_parser("chat", help="answer one message from the command line")
+    c = sub.add_parser("chat", help="answer one message: from the running server if one answers, else in-process",
+                       description="Send one message and print the reply. A running server (clawrl serve, run.sh) "
+                                   "answers with the weights it serves: --url, or the configured server.host and "
+                                   "server.port when something answers there. Otherwise the configured model is "
+                                   "loaded in this process (base weights, not trained ones), as --local forces.")
     c.add_argument("message")
-    c.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. model.path=DIR")
+    c.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. model.path=DIR or server.port=N")
     c.add_argument("--max-tokens", type=int, default=64)
     c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--url", default=None, help="a running server's address, e.g. http://127.0.0.1:30000 (/v1 "
+                                               "optional); its errors are errors here")
+    c.add_argument("--api-key", default=None, help="the server's key (default: $CLAWRL_API_KEY, then "
+                                                   "server.api_key)")
+    c.add_argument("--local", action="store_true", help="load the model in this process even if a server runs")
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible endpoint (and learn, per method)")
     s.add_argument("overrides", nargs="*", help="key=value config overrides (Hydra syntax)")
