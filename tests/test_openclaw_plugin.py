@@ -27,12 +27,6 @@ MODEL = "tiny"
 REPLY = "Hello from the recording endpoint."
 
 
-def _skip_without_npm():
-    reason = openclaw_cli.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-
-
 @dataclass
 class RecordedRequest:
     path: str
@@ -144,7 +138,7 @@ def chat_requests(requests: list[RecordedRequest]) -> list[RecordedRequest]:
 
 def test_plugin_logic_unit_tests_pass():
     """The plugin's OpenClaw-free logic (trigger -> turn type, run lookup, close request) under node --test."""
-    _skip_without_npm()
+    openclaw_cli.skip_without_npm()
     proc = subprocess.run([str(openclaw_cli.node_path()), "--test", "test/run-ledger.test.mjs"], cwd=PLUGIN_DIR,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -174,7 +168,7 @@ def endpoint():
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory, endpoint):
-    _skip_without_npm()
+    openclaw_cli.skip_without_npm()
     return openclaw_home_with_plugin(tmp_path_factory.mktemp("openclaw-home"), endpoint.base_url)
 
 

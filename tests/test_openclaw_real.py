@@ -189,9 +189,7 @@ def server(tmp_path_factory, tiny_model_dir):
 
 
 def _home(tmp_path_factory, name: str, snippet: dict, plugin: bool) -> Path:
-    reason = openclaw_cli.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    openclaw_cli.skip_without_npm()
     home = tmp_path_factory.mktemp(name)
     openclaw_cli.paste_provider(home, snippet)
     if plugin:
