@@ -6,13 +6,41 @@ import argparse
 import sys
 
 
+DESCRIPTION = "Train a self-hosted LLM agent from its own live conversations."
+EPILOG = ("Quick start: bash openclaw-combine/run.sh (serves and learns; see README.md). Every setting is a "
+          "key=value override; clawrl serve --help-config lists them all with type, default and help. "
+          "clawrl COMMAND --help shows a command's options.")
+
+
 class CliError(Exception):
     """An expected failure: printed as ``clawrl: <reason>`` and exit 2, no traceback."""
 
 
+class _HelpConfig(argparse.Action):
+    """``--help-config``: every config key with its type, default and help, then exit 0."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "list every config key with its type, default and help, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from clawrl.config import describe_config
+
+        print(describe_config(), end="", flush=True)
+        parser.exit(0)
+
+
+def _default_run_dir() -> str:
+    from clawrl.config import ClawrlConfig
+
+    return ClawrlConfig().run_dir
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="clawrl", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="clawrl", description=DESCRIPTION, epilog=EPILOG)
     sub = p.add_subparsers(dest="cmd", required=True)
+    run_dir = _default_run_dir()
+    run_dir_help = f"the run directory (default: {run_dir}, where clawrl serve and run.sh write without run_dir=)"
 
     m = sub.add_parser("model", help="build or inspect the embedded tiny chat model")
     msub = m.add_subparsers(dest="model_cmd", required=True)
@@ -40,17 +68,19 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible endpoint (and learn, per method)")
     s.add_argument("overrides", nargs="*", help="key=value config overrides (Hydra syntax)")
     s.add_argument("--config", default=None, help="a method's config.yaml to layer under the overrides")
+    s.add_argument("--help-config", action=_HelpConfig)
 
     se = sub.add_parser("sessions", help="list stored sessions and their turns")
-    se.add_argument("--run-dir", required=True)
+    se.add_argument("--run-dir", default=run_dir, help=run_dir_help)
     se.add_argument("session_id", nargs="?", help="show one session's turns")
 
     ex = sub.add_parser("export", help="write stored turns as JSONL")
-    ex.add_argument("--run-dir", required=True)
+    ex.add_argument("--run-dir", default=run_dir, help=run_dir_help)
     ex.add_argument("--out", default="-", help="output file (default: stdout)")
 
     d = sub.add_parser("demo", help="watch a method learn a simulated user's hidden preference")
     d.add_argument("overrides", nargs="*", help="method=rl and key=value overrides (demo.*, train.*, ...)")
+    d.add_argument("--help-config", action=_HelpConfig)
 
     cp = sub.add_parser("check-parallel", help="check that the megatron backend at a parallel layout matches "
                                                "the torch backend (default: the tiny model at cluster.tp=2)")
@@ -58,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                                                  "cluster.procs_per_node (ranks; the rest is data parallel)")
 
     rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")
-    rb.add_argument("--run-dir", required=True)
+    rb.add_argument("--run-dir", default=run_dir, help=run_dir_help)
     rb.add_argument("--to", type=int, required=True, metavar="VERSION", help="the weight version to go back to")
     return p
 
