@@ -150,3 +150,18 @@ def test_a_bad_log_level_is_a_config_error():
     with pytest.raises(ConfigError, match="logging.level=LOUD"):
         setup_logging("LOUD")
 
+
+def test_an_offline_wandb_run_ends_with_the_sync_command(tmp_path, capsys):
+    pytest.importorskip("wandb")
+    from clawrl.config import LoggingConfig, WandbConfig
+    from clawrl.metrics import MetricsLogger
+
+    metrics = MetricsLogger(tmp_path, LoggingConfig(wandb=WandbConfig(mode="offline")))
+    metrics.log_step(1, {"loss": 0.5})
+    metrics.close()
+    metrics.close()
+    hints = [line for line in capsys.readouterr().err.splitlines() if "wandb sync" in line]
+    assert len(hints) == 1, hints  # once, however often close() is called
+    offline_dir = Path(hints[0].rsplit("wandb sync ", 1)[1])
+    assert offline_dir.parent == tmp_path / "wandb" and offline_dir.name.startswith("offline-run-")
+    assert any(offline_dir.glob("*.wandb"))  # the run's data, what `wandb sync` uploads

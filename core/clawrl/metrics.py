@@ -19,6 +19,7 @@ import math
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -166,7 +167,11 @@ class MetricsLogger:
     def close(self) -> None:
         with self._lock:
             if self._wandb is not None:
+                offline_dir = self._wandb.settings.sync_dir if self.wandb_mode == "offline" else None
                 self._wandb.finish()
                 self._wandb = None
+                if offline_dir:  # said once, at the end of the run (clawrl serve, clawrl demo)
+                    print(f"clawrl: WandB logged offline to {offline_dir}; upload it with: wandb sync {offline_dir}",
+                          file=sys.stderr, flush=True)
             if not self._file.closed:
                 self._file.close()
