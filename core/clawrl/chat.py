@@ -14,6 +14,7 @@ import os
 import sys
 
 from clawrl.engines.base import EngineError, SamplingParams
+from clawrl.errors import CliError
 
 API_KEY_ENV = "CLAWRL_API_KEY"
 PROBE_TIMEOUT_S = 1.0  # a server on loopback answers /v1/models in milliseconds
@@ -62,8 +63,6 @@ def _api_key(args, server) -> str | None:
 
 def _answer(response, base_url: str) -> dict:
     """The JSON body of a 2xx response, or CliError naming the status and the server's message."""
-    from clawrl.cli import CliError
-
     if response.status_code < 400:
         try:
             return response.json()
@@ -82,8 +81,6 @@ def remote_reply(base_url: str, api_key: str | None, message: str, max_tokens: i
                  seed: int) -> tuple[str, str, str | None]:
     """Ask the server at ``base_url``: (reply, model id, system_fingerprint). Errors are CliError."""
     import httpx
-
-    from clawrl.cli import CliError
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -107,7 +104,6 @@ def remote_reply(base_url: str, api_key: str | None, message: str, max_tokens: i
 
 
 def chat_cli(args) -> int:
-    from clawrl.cli import CliError
     from clawrl.config import compose
 
     if args.max_tokens < 1:
@@ -130,7 +126,6 @@ def chat_cli(args) -> int:
 
 def _local_reply(cfg, args, missed_url: str | None) -> int:
     """Load the configured model here and answer; ``missed_url``: the server that did not answer."""
-    from clawrl.cli import CliError
     from clawrl.engines import make_engine
 
     try:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from clawrl.config import TrainConfig
+from clawrl.errors import CliError
 from clawrl.trainers.base import Trainer, TrainerError
 
 log = logging.getLogger(__name__)
@@ -342,8 +343,6 @@ class CheckpointStore:
 
 def rollback_cli(args) -> int:
     """``clawrl rollback --run-dir D --to VERSION``."""
-    from clawrl.cli import CliError
-
     store = CheckpointStore(args.run_dir)
     try:
         record = store.request_rollback(int(args.to))

@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from clawrl.errors import CliError
+
 
 DESCRIPTION = "Train a self-hosted LLM agent from its own live conversations."
 EPILOG = ("Quick start: bash openclaw-combine/run.sh (serves and learns; see README.md). Every setting is a "
           "key=value override; clawrl serve --help-config lists them all with type, default and help. "
           "clawrl COMMAND --help shows a command's options.")
-
-
-class CliError(Exception):
-    """An expected failure: printed as ``clawrl: <reason>`` and exit 2, no traceback."""
 
 
 class _HelpConfig(argparse.Action):

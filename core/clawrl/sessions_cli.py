@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from clawrl.cli import CliError
+from clawrl.errors import CliError
 from clawrl.store import STORE_FILENAME, StoreError, TurnStore
 
 

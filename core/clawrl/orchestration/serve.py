@@ -17,10 +17,10 @@ import socket
 
 import uvicorn
 
-from clawrl.cli import CliError
 from clawrl.config import compose
 from clawrl.engines import make_engine
 from clawrl.engines.base import EngineError
+from clawrl.errors import CliError
 from clawrl.gateway.app import create_app
 from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
 from clawrl.orchestration.learner import attach_learning, check_method

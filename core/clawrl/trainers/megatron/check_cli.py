@@ -10,11 +10,12 @@ from __future__ import annotations
 import sys
 import time
 
+from clawrl.errors import CliError
+
 
 def check_parallel_cli(args) -> int:
     import torch
 
-    from clawrl.cli import CliError
     from clawrl.cluster.layout import check_layout, read_hf_config
     from clawrl.config import compose
 
