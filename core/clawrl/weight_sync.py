@@ -20,17 +20,14 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from clawrl.config import ClusterConfig
 from clawrl.engines.base import Engine
-from clawrl.trainers.base import Trainer
 from clawrl.weight_transport import (MB, BucketReceiver, ServedWeights, SyncEndpoint, WeightSyncError, one_line,
                                      host_store)
-
-if TYPE_CHECKING:
-    from clawrl.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +52,14 @@ class WeightTransport(abc.ABC):
                                   "versions only ever increase")
 
 
+class ExportsWeights(Protocol):
+    """What ``InProcessWeightSync`` pushes from: a trainer in this process (every ``Trainer`` is one,
+    structurally, so weight sync needs nothing from the trainers package)."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full HF-named weights to serve, on the serving device and dtype, as copies."""
+
+
 class InProcessWeightSync(WeightTransport):
     """Pushes a trainer's weights into an engine in the same process, with increasing versions."""
 
@@ -64,7 +69,7 @@ class InProcessWeightSync(WeightTransport):
         self.last_sync_ms: float | None = None
         self._lock = asyncio.Lock()
 
-    async def push(self, trainer: Trainer, version: int) -> float:
+    async def push(self, trainer: ExportsWeights, version: int) -> float:
         """Serve ``trainer``'s weights as ``version``; returns the sync time in milliseconds.
 
         The export (merging LoRA, casting to the serving dtype) runs in a worker thread so the

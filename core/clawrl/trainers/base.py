@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from clawrl.config import ClawrlConfig
+from clawrl.engines.base import Engine
 from clawrl.samples import Sample
-
-if TYPE_CHECKING:
-    from clawrl.config import ClawrlConfig
+from clawrl.weight_sync import InProcessWeightSync, WeightTransport
 
 BACKENDS = ("torch", "megatron")
 
@@ -69,17 +68,15 @@ class Trainer(abc.ABC):
         """Let training continue after ``paused_reason`` was set (an operator decision)."""
         self.paused_reason = None
 
-    def weight_sync(self, engine):
+    def weight_sync(self, engine: Engine) -> WeightTransport:
         """How this trainer's weights reach ``engine``: by default a copy in this process."""
-        from clawrl.weight_sync import InProcessWeightSync
-
         return InProcessWeightSync(engine)
 
     def close(self) -> None:
         """Release what the trainer holds beyond this process (trainer ranks); a no-op here."""
 
 
-def make_trainer(cfg: "ClawrlConfig", model_path: str) -> Trainer:
+def make_trainer(cfg: ClawrlConfig, model_path: str) -> Trainer:
     """The trainer ``cfg.trainer.backend`` names, training a copy of the model at ``model_path``
     (the same directory the engine serves, so both start from identical weights)."""
     backend = cfg.trainer.backend

@@ -12,12 +12,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 import torch
 
+from clawrl.cluster.control import ClusterError
+from clawrl.cluster.launch import read_node_env, start_trainer_ranks
+from clawrl.cluster.layout import check_layout, describe_layout, read_hf_config
 from clawrl.config import ClawrlConfig, ConfigError
+from clawrl.engines.base import Engine
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
+from clawrl.weight_sync import BroadcastWeightSync
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +35,11 @@ class MegatronTrainer(Trainer):
     and waits until every rank has loaded its shard; see the module docstring."""
 
     def __init__(self, cfg: ClawrlConfig, model_path: str):
-        from clawrl.cluster import ClusterError, start_trainer_ranks
-        from clawrl.cluster.layout import check_layout, describe_layout, read_hf_config
-
         self.cfg = cfg
         if cfg.train.lora.enabled:
             raise TrainerError("train.lora.enabled=true needs trainer.backend=torch; the megatron backend trains "
                                "every weight")
         try:
-            from clawrl.cluster.launch import read_node_env
-
             node = read_node_env(cfg)
             hf_config, name = read_hf_config(model_path)
             check_layout(hf_config, cfg.cluster.tp, cfg.cluster.pp, node.world_size, name)
@@ -56,8 +57,6 @@ class MegatronTrainer(Trainer):
         self._lock = threading.Lock()
 
     def _call(self, method: str, *args):
-        from clawrl.cluster import ClusterError
-
         try:
             return self.control.call(method, *args)
         except ClusterError as e:
@@ -82,11 +81,9 @@ class MegatronTrainer(Trainer):
         with self._lock:
             self._call("send_weights", version, endpoint)
 
-    def weight_sync(self, engine):
+    def weight_sync(self, engine: Engine) -> BroadcastWeightSync:
         """Weights cross processes: a ``BroadcastWeightSync`` hosted on this node. NCCL when the
         engine's GPU is not one the trainer ranks use; gloo through host memory otherwise."""
-        from clawrl.weight_sync import BroadcastWeightSync
-
         device = torch.device(engine.model_info().device)
         separate_gpu = device.type == "cuda" and (device.index or 0) >= self.node.procs
         return BroadcastWeightSync(engine, self.cfg.cluster, host=self.node.master_addr, port=self.node.sync_port,
@@ -116,8 +113,6 @@ class MegatronTrainer(Trainer):
         self.paused_reason = None
 
     def close(self) -> None:
-        import time
-
         started = time.monotonic()
         self.control.shutdown()
         log.info("megatron trainer ranks stopped in %.1f s", time.monotonic() - started)
