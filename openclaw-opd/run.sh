@@ -5,7 +5,7 @@
 #
 #   bash openclaw-opd/run.sh [key=value ...]        e.g. model.path=/models/Qwen3-1.7B train.lr=1e-6
 #
-# Hydra-style overrides pass straight through and win over config.yaml.
+# Hydra-style overrides pass straight through and win over config.yaml (which sets the method).
 #
 # Several nodes (trainer.backend=megatron; docs/multi_node.md): run this same script on every node.
 # These pass through to `clawrl serve`, which decides what this node runs: node 0 serves the endpoint
@@ -32,4 +32,4 @@ export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 # (PYTHONPATH=core, e.g. a GPU image with its own torch) the same entry point runs as a module.
 CLAWRL=(clawrl)
 command -v clawrl >/dev/null 2>&1 || CLAWRL=(python3 -m clawrl.cli)
-exec "${CLAWRL[@]}" serve --config "$DIR/config.yaml" method=opd "$@"
+exec "${CLAWRL[@]}" serve --config "$DIR/config.yaml" "$@"

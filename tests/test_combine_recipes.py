@@ -50,7 +50,10 @@ def test_run_sh_serves_hint_judges_teacher_scores_and_trains(method, tmp_path):
         status = wait_until(lambda: (lambda s: s if s["training"]["train_step"] >= 1 else None)(
             httpx.get(url + "/admin/status", timeout=10).json()), [proc], [log], 120)
         t = status["training"]
-        assert t["method"] == method and t["batch_size"] == 2  # config.yaml's method, the command line's size
+        # only config.yaml sets the method (run.sh passes none; the default is rl) and openclaw-opd's
+        # top-k (default 0); the batch size is the command line's
+        assert t["method"] == method and t["opd"]["topk"] == {"opd": 8, "combine": 0}[method]
+        assert t["batch_size"] == 2
         assert t["opd"]["hint_judge"] == "rules" and t["opd"]["teacher"] == "policy"
         assert t["opd"]["hints_accepted"] == 2 and t["opd"]["rejected_by_reason"] == {"no_hindsight": 1}
         assert t["opd"]["opd_samples_trained"] == 2

@@ -1,4 +1,6 @@
-"""The config is the user's contract: every field is read somewhere, bad keys are refused clearly."""
+"""The config is the user's contract: every field is read somewhere, bad keys are refused clearly,
+the layers compose in their documented order, and the result cannot be changed afterwards."""
+import dataclasses
 import re
 from pathlib import Path
 
@@ -232,11 +234,128 @@ def test_the_recipe_configs_compose(recipe):
     assert cfg.method == recipe.split("/")[0].removeprefix("openclaw-")
 
 
-def test_the_defaults_validate():
-    from clawrl.config import ClawrlConfig, config_problems
+def test_the_defaults_validate(tmp_path):
+    from clawrl.config import ClawrlConfig, ModelConfig, config_problems
 
     assert config_problems(ClawrlConfig()) == []
-    assert compose() == ClawrlConfig()
+    # a model directory without a clawrl.yaml of its own: the dataclass defaults and nothing else
+    assert compose([f"model.path={tmp_path}"]) == ClawrlConfig(model=ModelConfig(path=str(tmp_path)))
+
+
+# --- layers: defaults < the model's own < a recipe's YAML < the command line ----------------------
+
+def _model_dir(tmp_path, yaml_text: str) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "clawrl.yaml").write_text(yaml_text)
+    return model
+
+
+def test_a_value_set_only_in_a_recipe_yaml_takes_effect(tmp_path):
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text("method: opd\ntrain:\n  max_weight_lag: 7\njudge:\n  votes: 5\n")
+    plain, layered = compose(), compose(yaml_path=str(recipe))
+    assert (plain.method, plain.train.max_weight_lag, plain.judge.votes) == ("rl", 4, 3)
+    assert (layered.method, layered.train.max_weight_lag, layered.judge.votes) == ("opd", 7, 5)
+
+
+def test_the_opd_recipe_turns_on_top_k_distillation():
+    from clawrl.config import OpdConfig
+
+    assert OpdConfig().topk == 0 and compose().opd.topk == 0
+    cfg = compose(yaml_path=str(ROOT / "openclaw-opd" / "config.yaml"))
+    assert cfg.method == "opd" and cfg.opd.topk == 8
+    assert compose(["opd.topk=2"], yaml_path=str(ROOT / "openclaw-opd" / "config.yaml")).opd.topk == 2
+
+
+@pytest.mark.parametrize("path_from", ["recipe", "command line"])
+def test_each_layer_wins_over_the_one_below(tmp_path, path_from):
+    """train.lr is set by the model, train.batch_size by the model and the recipe, train.save_every by
+    all three: each is the value of the highest layer that sets it. model.path itself may come from
+    the recipe or the command line; either way the model's defaults apply."""
+    model = _model_dir(tmp_path, "train:\n  lr: 2.0e-5\n  batch_size: 4\n  save_every: 7\n")
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text((f"model:\n  path: {model}\n" if path_from == "recipe" else "")
+                      + "train:\n  batch_size: 16\n  save_every: 9\n")
+    cmdline = ["train.save_every=11"] + ([f"model.path={model}"] if path_from == "command line" else [])
+    cfg = compose(cmdline, yaml_path=str(recipe))
+    assert cfg.model.path == str(model)
+    assert cfg.train.keep_last == 3  # no layer sets it: the dataclass default
+    assert cfg.train.lr == 2e-5  # the model's defaults win over the dataclass default (1e-5)
+    assert cfg.train.batch_size == 16  # the recipe wins over the model's defaults
+    assert cfg.train.save_every == 11  # the command line wins over the recipe
+    assert compose([f"model.path={model}"]).train.batch_size == 4  # the model's defaults alone
+
+
+def test_the_embedded_model_has_its_own_defaults_and_composing_never_builds_it(tmp_path, monkeypatch):
+    from clawrl.config import EMBEDDED_DEFAULTS, TrainConfig
+    from clawrl.embedded import build
+
+    def refuse(*a, **kw):
+        raise AssertionError("composition must not build or look up the embedded model")
+
+    monkeypatch.setattr(build, "default_model_path", refuse)
+    monkeypatch.setattr(build, "build_model", refuse)
+    assert TrainConfig().lr == 1e-5
+    assert compose().train.lr == 1e-4 and compose(["model.path=null"]).train.lr == 1e-4
+    assert compose([f"model.path={tmp_path}"]).train.lr == 1e-5  # another model: not the embedded defaults
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text("train:\n  lr: 3.0e-5\n")
+    assert compose(yaml_path=str(recipe)).train.lr == 3e-5
+    assert compose(["train.lr=5e-5"], yaml_path=str(recipe)).train.lr == 5e-5
+    # shipped as package data, so an installed clawrl has it too
+    assert EMBEDDED_DEFAULTS.relative_to(CORE).as_posix() == "conf/embedded.yaml"
+    assert 'package_data={"clawrl": ["conf/*.yaml"]}' in (ROOT / "setup.py").read_text()
+
+
+def test_unknown_keys_in_any_layer_are_refused_with_the_file_named(tmp_path):
+    model = _model_dir(tmp_path, "train:\n  lrr: 1.0e-4\n")
+    with pytest.raises(ConfigError) as e:
+        compose([f"model.path={model}"])
+    assert str(e.value).startswith(f"unknown config key 'train.lrr' in {model / 'clawrl.yaml'}; did you mean train.lr")
+    recipe = tmp_path / "config.yaml"
+    recipe.write_text("opd:\n  top_k: 8\n")
+    with pytest.raises(ConfigError, match=rf"^unknown config key 'opd.top_k' in {re.escape(str(recipe))}; "
+                                          r"did you mean opd\.topk"):
+        compose(yaml_path=str(recipe))
+    with pytest.raises(ConfigError, match=r"^unknown config key 'opd.top_k'; did you mean opd\.topk"):
+        compose(["opd.top_k=8"])
+
+
+def test_a_bad_value_in_a_models_defaults_is_named_and_the_model_cannot_choose_itself(tmp_path):
+    model = _model_dir(tmp_path, "train:\n  batch_size: 0\n")
+    with pytest.raises(ConfigError) as e:
+        compose([f"model.path={model}"])
+    assert str(e.value) == f"train.batch_size=0: must be >= 1 (in {model / 'clawrl.yaml'})"
+    assert compose([f"model.path={model}", "train.batch_size=2"]).train.batch_size == 2
+    (model / "clawrl.yaml").write_text(f"model:\n  path: {tmp_path}\n")
+    with pytest.raises(ConfigError, match="model.path in .*clawrl.yaml: a model's own defaults cannot choose"):
+        compose([f"model.path={model}"])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_recipe_holds_only_what_differs_from_the_defaults(recipe):
+    """A recipe that restates a default hides which settings make the method; method is the one key
+    every recipe names (openclaw-rl's equals the default)."""
+    from omegaconf import OmegaConf
+
+    from clawrl.config import ClawrlConfig, _get, _leaf_keys
+
+    layer = OmegaConf.load(ROOT / recipe)
+    restated = [key for key in _leaf_keys(layer)
+                if key != "method" and OmegaConf.select(layer, key) == _get(ClawrlConfig(), key)]
+    assert not restated, f"{recipe} restates defaults: {restated}"
+    assert layer.method == recipe.split("/")[0].removeprefix("openclaw-")
+
+
+def test_the_composed_config_is_frozen():
+    cfg = compose()
+    for section, name, value in ((cfg, "method", "opd"), (cfg.train, "lr", 1.0), (cfg.train.lora, "r", 4),
+                                 (cfg.server, "port", 1)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, name, value)
+    changed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=1.0))
+    assert changed.train.lr == 1.0 and cfg.train.lr == 1e-4
 
 
 def test_the_demo_defaults_validate():

@@ -3,6 +3,7 @@ command-line overrides, an OpenAI client's chats judged by the rules judge and t
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -30,10 +31,18 @@ def test_run_sh_serves_judges_and_trains_with_an_openai_client(tmp_path):
     model = build_tiny_model(model_cache_dir())
     port = free_port()
     log = tmp_path / "run.log"
+    # The recipe sets only method: rl, which is also the default. So that this run shows run.sh
+    # layering its config.yaml, it runs a copy whose config.yaml adds two keys: train.batch_size
+    # (default 8; the test needs 2 to train) and a run_dir the command line overrides.
+    recipe = tmp_path / "openclaw-rl"
+    recipe.mkdir()
+    shutil.copy(RUN_SH, recipe / "run.sh")
+    (recipe / "config.yaml").write_text((RUN_SH.parent / "config.yaml").read_text()
+                                        + f"train:\n  batch_size: 2\nrun_dir: {tmp_path / 'yaml_run'}\n")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            ["bash", str(RUN_SH), f"server.port={port}", f"run_dir={tmp_path / 'run'}", f"model.path={model}",
-             "model.name=tiny", "train.batch_size=2", "logging.wandb.mode=disabled", "engine.threads=1"],
+            ["bash", str(recipe / "run.sh"), f"server.port={port}", f"run_dir={tmp_path / 'run'}",
+             f"model.path={model}", "model.name=tiny", "logging.wandb.mode=disabled", "engine.threads=1"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "MASTER_ADDR": "10.0.0.7"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -47,10 +56,11 @@ def test_run_sh_serves_judges_and_trains_with_an_openai_client(tmp_path):
         status = wait_until(lambda: (lambda s: s if s["training"]["train_step"] == 1 else None)(
             httpx.get(url + "/admin/status", timeout=10).json()), [proc], [log], 120)
         t = status["training"]
-        assert t["method"] == "rl" and t["judge"] == "rules"  # from config.yaml
-        assert t["batch_size"] == 2  # the command line wins over config.yaml
+        assert t["method"] == "rl" and t["judge"] == "rules"
+        assert t["batch_size"] == 2  # only config.yaml sets it
         assert status["weight_version"] == 1 and t["samples"]["trained"] == 2
-        metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+        metrics = (tmp_path / "run" / "metrics.jsonl").read_text()  # the command line's run_dir wins
+        assert not (tmp_path / "yaml_run").exists()
         assert '"kind": "train_step"' in metrics
         proc.send_signal(signal.SIGTERM)  # run.sh execs clawrl: the signal reaches the server itself
         assert proc.wait(60) == 0, log.read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,10 +28,8 @@ def model_dir(tmp_path_factory):
 
 def cuda_cfg(lora: bool = False) -> ClawrlConfig:
     cfg = ClawrlConfig()
-    cfg.model.device = "cuda"
-    cfg.train.lr = 1e-2
-    cfg.train.lora.enabled = lora
-    return cfg
+    train = replace(cfg.train, lr=1e-2, lora=replace(cfg.train.lora, enabled=lora))
+    return replace(cfg, model=replace(cfg.model, device="cuda"), train=train)
 
 
 @pytest.mark.parametrize("lora", [False, True])

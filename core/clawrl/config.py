@@ -1,9 +1,18 @@
 """Typed configuration, composed by Hydra from these dataclasses plus ``key=value`` overrides.
 
+Each layer wins over the ones before it:
+
+1. the dataclass defaults below;
+2. the model's own defaults: ``clawrl.yaml`` in the ``model.path`` directory, if there is one,
+   or, for the embedded tiny model (``model.path`` null), ``conf/embedded.yaml`` in this package;
+3. a recipe's YAML (a method directory's ``config.yaml``, ``clawrl serve --config``);
+4. the command line's ``key=value`` overrides.
+
 The dataclasses are the documentation: every field carries its help text and the values it
 accepts (a range, choices or a pattern) in its metadata (see ``option``). ``compose()`` refuses an
-unknown key with the closest valid names and, once the YAML layer and the overrides are applied,
-any value its field does not accept, in one line naming the key, the value and what is allowed.
+unknown key in any layer with the closest valid names, and then any value its field does not
+accept, in one line naming the key, the value, what is allowed and the file it came from. The
+composed config is frozen: code that needs a changed copy uses ``dataclasses.replace``.
 ``describe_config()`` lists every key with its type, default, help and allowed values.
 ``tests/test_config.py`` proves every field is read somewhere in core, so no flag is parsed and
 then ignored.
@@ -14,6 +23,7 @@ import difflib
 import math
 import re
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
@@ -69,11 +79,15 @@ def _check_module_names(names) -> str | None:
     return None
 
 
+# Per-model defaults: a file of this name in model.path; the embedded model's ship with the package.
+MODEL_DEFAULTS_FILE = "clawrl.yaml"
+EMBEDDED_DEFAULTS = Path(__file__).resolve().parent / "conf" / "embedded.yaml"
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     path: Optional[str] = option(None, "HF model directory. null: the embedded tiny chat model, built on first use.")
     name: Optional[str] = option(None, 'The model id clients send in "model"; null: the directory\'s name.')
@@ -83,7 +97,7 @@ class ModelConfig:
                          pattern=r"auto|cpu|cuda(:\d+)?", allowed="auto, cpu, cuda or cuda:N")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     backend: str = option("torch", "torch: the built-in engine. sglang: an SGLang runtime (optional dependency).",
                           choices=("torch", "sglang"))
@@ -97,7 +111,7 @@ class EngineConfig:
     threads: Optional[int] = option(None, "CPU threads for torch; null: leave torch's default.", ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = option("127.0.0.1", "Address to listen on; anything but loopback requires server.api_key.",
                        nonempty=True)
@@ -113,13 +127,13 @@ class ServerConfig:
     default_max_tokens: int = option(512, "Default max tokens for a completion when the client sends none.", ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SessionsConfig:
     idle_timeout_s: float = option(1800.0, "A session with no request for this many seconds is closed; its last "
                                    "turn gets no next state.", gt=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraConfig:
     enabled: bool = option(False, "Train LoRA adapters (peft) instead of full weights; served weights have "
                            "LoRA merged.")
@@ -131,7 +145,7 @@ class LoraConfig:
                                   allowed="one or more module names", type_name="list[str]")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     enabled: bool = option(True, "false: serve and record only, never train.")
     batch_size: int = option(8, "Ready samples per train step; training starts once this many are ready.", ge=1)
@@ -176,14 +190,14 @@ class TrainConfig:
     lora: LoraConfig = section(LoraConfig, "LoRA adapters instead of full fine-tuning.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerConfig:
     backend: str = option("torch", "torch: the built-in HF/torch trainer (one process). megatron: megatron-core "
                           "with tensor, pipeline and data parallelism over trainer ranks in their own processes "
                           "(cluster.*).", choices=("torch", "megatron"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterConfig:
     """Where trainer ranks and engines run (``trainer.backend=megatron``).
 
@@ -213,12 +227,12 @@ class ClusterConfig:
     engine_gpus: float = option(0.0, "GPUs each Ray-placed engine takes (0 on CPU; fractions share a GPU).", ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class JudgeModelConfig:
     path: Optional[str] = option(None, "HF directory of the PRM judge model; null: the frozen base policy.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class JudgeConfig:
     kind: str = option("rules", "The reward judge. rules: explicit feedback rules. prm: a model judge with "
                        "majority votes. env: environment verdicts.", choices=("rules", "prm", "env"))
@@ -229,7 +243,7 @@ class JudgeConfig:
     model: JudgeModelConfig = section(JudgeModelConfig, "The PRM judge's model.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpdConfig:
     hint_judge: str = option("rules", "On-policy distillation: hint judge rules (correction phrases) | model "
                              "(votes from a judge engine).", choices=("rules", "model"))
@@ -250,7 +264,7 @@ class OpdConfig:
                              "token cannot dominate.", gt=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CombineConfig:
     w_rl: float = option(1.0, "method=combine: weight of the RL advantage in A = w_rl * A_rl + w_opd * A_opd "
                          "per token (a turn with one signal gets that term).", ge=0)
@@ -260,20 +274,20 @@ class CombineConfig:
                                "trains RL-only.", gt=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class WandbConfig:
     mode: str = option("offline", "offline (default) | online (falls back to offline without network) | "
                        "disabled.", choices=("offline", "online", "disabled"))
     project: str = option("clawrl", "WandB project name.", nonempty=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     level: str = option("INFO", "Log level of clawrl's loggers, any case.", choices=LOG_LEVELS, ignore_case=True)
     wandb: WandbConfig = section(WandbConfig, "WandB metrics logging (metrics.jsonl is always written).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DemoConfig:
     user: str = option("worked", 'The simulated user\'s hidden preference: worked ("7 + 5 = 12") | bare (just a '
                        'number) | student (a bare number, natural corrections) | teacher (a friendly "Sure!" '
@@ -286,10 +300,10 @@ class DemoConfig:
     max_tokens: int = option(24, "Most tokens of a reply to a question.", ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClawrlConfig:
-    method: str = option("rl", "Personal-agent method or environment: rl | opd | combine (set by each method's "
-                         "run.sh).", nonempty=True)
+    method: str = option("rl", "Personal-agent method or environment: rl | opd | combine (set by each method "
+                         "directory's config.yaml).", nonempty=True)
     run_dir: str = option("runs/default", "Everything a run writes: the SQLite store, checkpoints, logs.",
                           nonempty=True)
     seed: int = option(0, "Seed for LoRA adapter init, the SGLang runtime, model-judge votes and the demo.")
@@ -471,8 +485,9 @@ def describe_config() -> str:
     wk = max(len(r[0]) for r in rows + [("key",)])
     wt = max(len(r[1]) for r in rows)
     wd = max(len(r[2]) for r in rows)
-    lines = ["clawrl configuration: set any key with key=value (e.g. server.port=8000); a method's "
-             "config.yaml layers under your overrides.", "",
+    lines = ["clawrl configuration: set any key with key=value (e.g. server.port=8000). Each layer wins over the "
+             "one before: the defaults below, the model's own (clawrl.yaml in model.path; the embedded model's: "
+             "clawrl/conf/embedded.yaml), a method's config.yaml, your key=value overrides.", "",
              f"{'key'.ljust(wk)}  {'type'.ljust(wt)}  {'default'.ljust(wd)}  help [allowed values]"]
     for key, typ, default, help_text, allowed in rows:
         line = f"{key.ljust(wk)}  {typ.ljust(wt)}  {default.ljust(wd)}  {help_text}"
@@ -485,25 +500,48 @@ def _suggest(key: str) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
-def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None = None) -> ClawrlConfig:
-    """Build the config: dataclass defaults, then a method's ``config.yaml``, then overrides.
+def model_defaults_path(model_path: str | None) -> Path | None:
+    """The per-model defaults layered for ``model.path``: ``<model.path>/clawrl.yaml`` when that file
+    exists, and for the embedded model (``model.path`` null) the package's ``conf/embedded.yaml``.
+    Only looks for a file: never loads, and never builds, a model."""
+    if model_path is None:
+        return EMBEDDED_DEFAULTS
+    path = Path(model_path).expanduser() / MODEL_DEFAULTS_FILE
+    return path if path.is_file() else None
 
-    Unknown keys are refused with the closest valid names, and then every value is checked
-    against what its field accepts (``validate_config``). Returns a plain dataclass instance.
+
+def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None = None) -> ClawrlConfig:
+    """Build the config: dataclass defaults < the model's defaults < ``yaml_path`` < ``overrides``.
+
+    ``model.path`` picks the model's defaults (``model_defaults_path``) but is itself set by the
+    recipe or the command line, so this composes twice: once without the model's layer to learn
+    ``model.path``, then with it. Unknown keys in any layer are refused with the closest valid
+    names (and the file named), then every value is checked against what its field accepts
+    (``validate_config``). Returns a frozen ClawrlConfig.
     """
+    dotlist = _parse_overrides(overrides)
+    layers = [(str(yaml_path), _load_layer(yaml_path))] if yaml_path else []
+    first, _ = _merge(layers, dotlist)
+    model_file = model_defaults_path(first.model.path)
+    if model_file is not None:
+        model_layer = _load_layer(model_file)
+        if "model.path" in _leaf_keys(model_layer):
+            raise ConfigError(f"model.path in {model_file}: a model's own defaults cannot choose the model")
+        layers.insert(0, (str(model_file), model_layer))
+    cfg, sources = _merge(layers, dotlist)
+    validate_config(cfg, sources)
+    return cfg
+
+
+def _parse_overrides(overrides) -> list[tuple[str, Any]]:
+    """``key=value`` strings as (key, typed value), unknown keys refused."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    known = set(all_keys())
-    base = OmegaConf.structured(ClawrlConfig)
-    OmegaConf.set_struct(base, True)
-    layers = []
-    if yaml_path:
-        layers.append(OmegaConf.load(yaml_path))
-    parser = OverridesParser.create()
     try:
-        parsed = parser.parse_overrides(list(overrides))
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception as e:  # hydra's own message is multi-line; keep the first line
         raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    known = set(all_keys())
     dotlist = []
     for ov in parsed:
         key = ov.key_or_group
@@ -511,32 +549,58 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
             raise ConfigError(f"override '{ov.input_line}': only key=value is supported")
         if key not in known:
             raise ConfigError(f"unknown config key '{key}'{_suggest(key)}")
-        value = ov.value()
-        dotlist.append((key, value))
-    cfg = base
-    from_yaml: dict[str, str] = {}
+        dotlist.append((key, ov.value()))
+    return dotlist
+
+
+def _load_layer(path) -> Any:
+    """A YAML layer, every key in it known."""
     try:
-        for layer in layers:
-            for key in _leaf_keys(layer):
-                if key not in known:
-                    raise ConfigError(f"unknown config key '{key}' in {yaml_path}{_suggest(key)}")
-                from_yaml[key] = str(yaml_path)
-            cfg = OmegaConf.merge(cfg, layer)
-        obj = OmegaConf.to_object(cfg)
-    except ConfigError:
-        raise
+        layer = OmegaConf.load(path)
     except Exception as e:
-        raise ConfigError(f"{yaml_path}: {str(e).splitlines()[0]}") from None
-    cfg = OmegaConf.structured(obj)
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
+    if not OmegaConf.is_dict(layer):
+        raise ConfigError(f"{path}: expected key: value pairs, not a list")
+    known = set(all_keys())
+    for key in _leaf_keys(layer):
+        if key not in known:
+            raise ConfigError(f"unknown config key '{key}' in {path}{_suggest(key)}")
+    return layer
+
+
+def _merge(layers: list[tuple[str, Any]], dotlist: list[tuple[str, Any]]) -> tuple[ClawrlConfig, dict[str, str]]:
+    """The defaults with ``layers`` merged in order, then ``dotlist`` set; and, for each key the
+    value of which came from a layer, that layer's file (for error messages)."""
+    cfg = _writable(OmegaConf.structured(ClawrlConfig))
+    OmegaConf.set_struct(cfg, True)
+    sources: dict[str, str] = {}
+    for name, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except Exception as e:
+            raise ConfigError(f"{name}: {str(e).splitlines()[0]}") from None
+        sources.update(dict.fromkeys(_leaf_keys(layer), name))
     for key, value in dotlist:
         try:
             OmegaConf.update(cfg, key, value, merge=False)
         except Exception as e:
             raise ConfigError(f"{key}={value}: {str(e).splitlines()[0]}") from None
-        from_yaml.pop(key, None)
-    obj = OmegaConf.to_object(cfg)
-    validate_config(obj, from_yaml)
-    return obj
+        sources.pop(key, None)
+    try:
+        return OmegaConf.to_object(cfg), sources
+    except Exception as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _writable(node):
+    """OmegaConf marks a frozen dataclass's nodes read-only; composition must write to them."""
+    OmegaConf.set_readonly(node, False)
+    if OmegaConf.is_dict(node):
+        for key in node:
+            child = node._get_node(key)
+            if OmegaConf.is_config(child):
+                _writable(child)
+    return node
 
 
 def _leaf_keys(node, prefix: str = "") -> list[str]:
