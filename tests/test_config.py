@@ -7,26 +7,38 @@ from pathlib import Path
 import pytest
 
 from clawrl.config import ConfigError, all_keys, compose
+from config_reads import reads_in_source, reads_in_tree
 
 CORE = Path(__file__).resolve().parents[1] / "core" / "clawrl"
-
-
-def _core_sources() -> str:
-    return "\n".join(
-        p.read_text() for p in CORE.rglob("*.py") if p.name != "config.py"
-    )
+CORE_READS = reads_in_tree(CORE, skip=(CORE / "config.py",))
 
 
 @pytest.mark.parametrize("key", all_keys())
 def test_every_config_field_is_read_in_core(key):
-    src = _core_sources()
-    *section, leaf = key.split(".")
-    if section:
-        # cfg.server.port, server_cfg.port, self.engine_cfg.threads ...
-        pattern = rf"\w*{section[-1]}\w*\.{leaf}\b"
-    else:
-        pattern = rf"\bcfg\.{leaf}\b"
-    assert re.search(pattern, src), f"config field {key} is never read in core/clawrl"
+    assert key in CORE_READS, f"config field {key} is never read in core/clawrl (an attribute load in code)"
+
+
+def test_only_attribute_loads_in_code_count_as_reads():
+    src = '''
+"""cfg.train.save_every in a docstring"""
+# cfg.train.keep_last in a comment
+import dataclasses
+def f(cfg, name, model):
+    getattr(cfg.train, name); getattr(cfg.train, "lr" + name); dataclasses.asdict(cfg.engine)
+    dataclasses.fields(cfg.server); cfg.train.batch_size = 3
+    model.path; model.name  # an HF model's attributes, not the config's
+    cfg.judge.model.path  # judge.model.path, not model.path
+    train = cfg.train
+    return train.max_weight_lag, cfg.train.lora.r
+class Buffer:
+    def __init__(self, train: "TrainConfig | None", engine_cfg):
+        self.train = train or TrainConfig()
+        self.engine_cfg = engine_cfg
+    def size(self):
+        return self.train.stale_policy, self.engine_cfg.threads
+'''
+    assert set(reads_in_source(src)) == {"train.max_weight_lag", "train.lora.r", "judge.model.path",
+                                         "train.stale_policy", "engine.threads"}
 
 
 def test_override_sets_typed_value():
