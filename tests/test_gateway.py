@@ -77,7 +77,15 @@ def test_plain_completion_returns_the_models_answer_and_usage(client):
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny"
     assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(client):
+    """The engine keeps a finished request's KV; the same prompt again reuses all of it but the last
+    prompt token, whose logits start the reply (``engines/torch_engine.py``, ``first_logit``)."""
+    chat(client, max_tokens=4)
+    again = chat(client, max_tokens=4).usage
+    assert again.prompt_tokens > 1
+    assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens - 1
 
 
 def test_stored_turn_holds_the_engines_exact_tokens(server, client):
