@@ -11,9 +11,8 @@ import pytest
 
 from clawrl.config import ConfigError, compose
 from clawrl.engines import make_engine
-from clawrl.engines.base import SamplingParams
 from clawrl.envs import EnvError, env_class
-from clawrl.envs.source import EnvSource
+from clawrl.envs.source import make_env_source
 from clawrl.envs.tasks import load_tasks
 from clawrl.trainers import make_trainer
 
@@ -33,12 +32,11 @@ class RecordingEngine:
 
 def test_a_guess_number_group_trains_one_step_with_exact_tokens(tiny_model_dir):
     cfg = compose([f"model.path={tiny_model_dir}", "method=rl", "train.lr=1e-3", "engine.threads=1",
-                   "logging.wandb.mode=disabled"])
-    cls = env_class(ENV)
+                   "logging.wandb.mode=disabled", f"env.name={ENV}", "env.group_size=2", "env.max_turns=3",
+                   "env.max_tokens_per_turn=6", "seed=3"])
     engine = make_engine(cfg)
-    recorder = RecordingEngine(engine)
-    source = EnvSource(cls, load_tasks(None, "train", cls), recorder, engine.tokenizer, group_size=2,
-                       params=SamplingParams(max_new_tokens=6, temperature=1.0, seed=3), max_turns=3)
+    source = make_env_source(cfg, engine)
+    recorder = source.engine = RecordingEngine(engine)
 
     async def roll():
         await engine.start()

@@ -275,6 +275,19 @@ class CombineConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    name: str = option("chat", "Where samples come from: chat (the gateway's live sessions) or an environment, a "
+                       "built-in name or dir/file.py:ClassName (clawrl.envs).")
+    tasks: Optional[str] = option(None, "Task set directory (dataset.toml + data/<split>.jsonl); None: the "
+                                  "environment's own tasks.")
+    split: str = option("train", "The task split rolled out for training.")
+    group_size: int = option(4, "Rollouts of one task that form a GRPO group (compared with each other).", ge=1)
+    max_turns: int = option(8, "Model turns an episode may take before it is truncated.", ge=1)
+    max_tokens_per_turn: int = option(256, "Most tokens the model may sample in one turn of an episode.", ge=1)
+    temperature: float = option(1.0, "Sampling temperature of rollouts (> 0, so a group's rollouts differ).", gt=0)
+
+
+@dataclass(frozen=True)
 class WandbConfig:
     mode: str = option("offline", "offline (default) | online (falls back to offline without network) | "
                        "disabled.", choices=("offline", "online", "disabled"))
@@ -317,6 +330,7 @@ class ClawrlConfig:
     judge: JudgeConfig = section(JudgeConfig, "The reward judge (rl, combine).")
     opd: OpdConfig = section(OpdConfig, "On-policy distillation (opd, combine).")
     combine: CombineConfig = section(CombineConfig, "method=combine: mixing the RL and OPD advantages.")
+    env: EnvConfig = section(EnvConfig, "The source of samples: live chat or an environment's rollouts.")
     logging: LoggingConfig = section(LoggingConfig, "Logs and metrics.")
     demo: DemoConfig = section(DemoConfig, "clawrl demo only: the simulated user and how the demo measures "
                                "learning.")

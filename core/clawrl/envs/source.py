@@ -19,9 +19,12 @@ import logging
 
 import torch
 
+from clawrl.config import ClawrlConfig
 from clawrl.engines.base import Engine, SamplingParams
+from clawrl.envs import env_class
 from clawrl.envs.base import Env, EnvError, Task
 from clawrl.envs.rollout import Episode, run_episode
+from clawrl.envs.tasks import load_tasks
 from clawrl.losses import group_advantages
 from clawrl.samples import Sample
 
@@ -68,3 +71,12 @@ class EnvSource:
         log.info("group %s: task %s, %d rollouts, rewards %s, %d turns", gid, task.task_id, len(episodes),
                  [round(e.reward, 3) for e in episodes], sum(e.turns for e in episodes))
         return list(episodes), samples
+
+
+def make_env_source(cfg: ClawrlConfig, engine: Engine) -> EnvSource:
+    """The source ``env.*`` describes, rolling out with ``engine`` (the served policy)."""
+    cls = env_class(cfg.env.name)
+    params = SamplingParams(max_new_tokens=cfg.env.max_tokens_per_turn, temperature=cfg.env.temperature,
+                            seed=cfg.seed)
+    return EnvSource(cls, load_tasks(cfg.env.tasks, cfg.env.split, cls), engine, engine.tokenizer,
+                     cfg.env.group_size, params, cfg.env.max_turns, cfg.train.group_advantage)
