@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from clawrl.judges.base import JudgeInput
 from clawrl.judges.hint_set import CANONICAL, HintCase, hint_cases, hint_matches
 from clawrl.judges.hints import HintVerdict, HintVote, RulesHintJudge, choose_hint, usable_hint
-from clawrl.teacher import hint_tag
+from clawrl.methods.opd.teacher import hint_tag
 
 PARAPHRASES = {
     "one_line": ("answer in one line", "keep the reply to a single line", "reply on one line only",
@@ -180,7 +180,7 @@ async def teacher_check(path: str, n: int, seed: int) -> dict:
     from clawrl.engines.loading import load_model
     from clawrl.engines.torch_engine import TorchEngine
     from clawrl.losses import opd_advantages
-    from clawrl.teacher import teacher_prompt_ids
+    from clawrl.methods.opd.teacher import teacher_prompt_ids
 
     loaded = load_model(path, device="cpu")
     tok = loaded.tokenizer

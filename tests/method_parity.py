@@ -61,20 +61,20 @@ def signals(method: str, i: int) -> tuple[bool, bool]:
 
 
 def to_samples(raw: list[dict], method: str, version: int):
-    """The trainer's samples for one step (the pre-seam format: ``extra["opd"]`` and ``rl_signal``)."""
-    from clawrl.samples import Sample
+    """The trainer's samples for one step (the method seam's format: ``Sample.rl_signal`` and a typed
+    ``Sample.teacher``)."""
+    from clawrl.samples import Sample, TeacherSignal
 
     out = []
     for i, x in enumerate(raw):
         rl, opd = signals(method, i)
         r = len(x["response_ids"])
-        extra = {"temperature": x["temperature"], "rl_signal": rl, "opd_state": "scored" if opd else None}
-        if opd:
-            extra["opd"] = {k: x[k] for k in ("teacher_logprobs", "topk_ids", "topk_logprobs")}
+        teacher = TeacherSignal(**{k: x[k] for k in ("teacher_logprobs", "topk_ids", "topk_logprobs")}) if opd else None
         out.append(Sample(sample_id=i + 1, turn_id=i + 1, group_id=f"g{i}", prompt_ids=x["prompt_ids"],
                           response_ids=x["response_ids"], rollout_logprobs=x["rollout_logprobs"],
                           weight_versions=[version] * r, reward=x["reward"] if rl else 0.0,
-                          advantage=x["reward"] if rl else 0.0, extra=extra))
+                          advantage=x["reward"] if rl else 0.0, rl_signal=rl, teacher=teacher,
+                          extra={"temperature": x["temperature"], "opd_state": "scored" if opd else None}))
     return out
 
 
@@ -92,16 +92,16 @@ def run(model_dir: Path, method: str, backend: str) -> list[dict]:
     cfg = compose([f"method={method}", f"model.path={model_dir}", *OVERRIDES, *BACKENDS[backend]])
     trainer = make_trainer(cfg, str(model_dir))
     captured: list = []
-    objective = getattr(trainer, "objective", None)
-    if objective is not None:  # torch: the objective runs in this process
-        apply = objective.apply_method_advantages
+    plugin = getattr(trainer, "method", None)
+    if plugin is not None:  # torch: the method runs in this process
+        apply = plugin.advantages
 
         def capture(batches):
             out = apply(batches)
             captured.append([[round(float(a), 9) for a in (mb.advantages * mb.loss_mask).tolist()] for mb in batches])
             return out
 
-        objective.apply_method_advantages = capture
+        plugin.advantages = capture
     vocab = _vocab(model_dir)
     steps = []
     try:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from clawrl.buffer import JudgeWorker, RolloutBuffer
+from clawrl.buffer import RolloutBuffer
 from clawrl.config import JudgeConfig, TrainConfig
-from clawrl.judges.base import Judge, Verdict, Vote
+from clawrl.judges.base import Judge, JudgeInput, Verdict, Vote
 from clawrl.judges.rules import RulesJudge
+from clawrl.orchestration.judging import JudgeWorker
 from clawrl.sessions import SessionHints, SessionLinker
 from clawrl.store import TurnStore
 
@@ -100,7 +101,8 @@ def test_real_openclaw_correction_is_judged_from_the_users_request_not_the_inter
     t1 = chat.serve(b1["messages"], "Hello from stub.")
     chat.serve(b2["messages"], "The sea is wide.")
     buffer.sync()
-    [(sid, item)] = buffer.pending_inputs(8)
+    [(sid, turn)] = buffer.pending_turns(8)
+    item = JudgeInput.from_turn(turn)
     assert item.turn_id == t1 and "two-line poem about the sea" in item.request
     assert item.reply == "Hello from stub." and "Too long" in item.next_state[0]["content"]
     judge_all(buffer)

@@ -8,14 +8,17 @@ import time
 
 import pytest
 
-from clawrl.buffer import RolloutBuffer
+from clawrl.buffer import Readiness, RolloutBuffer
 from clawrl.config import TrainConfig
 from clawrl.engines.base import ScoreResult
 from clawrl.judges.hints import HintVerdict, HintVote
-from clawrl.orchestration.opd import TeacherGate
+from clawrl.methods.opd.gate import TeacherGate
+from clawrl.methods.opd.teacher import OpdStore
 from clawrl.store import TurnStore
-from clawrl.teacher import OpdStore
 from test_buffer import Chat, by_turn, judge_all
+
+OPD = Readiness(reward=False, teacher=True)  # the opd method's rule: no reward judge, wait for the teacher
+COMBINE = Readiness(reward=True, teacher=True)  # combine's: both
 
 
 @pytest.fixture
@@ -36,7 +39,7 @@ def hint(opd: OpdStore, turn_id: int, text: str | None, scored: bool = True) -> 
 
 
 def test_opd_sample_waits_for_its_teacher_then_trains_with_it_or_is_skipped_with_the_reason(store):
-    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), rl_judged=False, opd_gated=True)
+    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), OPD)
     opd, gate = OpdStore(store), TeacherGate(buffer, store, wait_s=None)
     hinted, thanked, later = (chat.conversation([fb], opening=q)[0] for fb, q in (
         ("Too long. One line, please.", "Hi"), ("Thanks!", "What is 2+2?"), ("Shorter, please.", "Bye")))
@@ -51,13 +54,13 @@ def test_opd_sample_waits_for_its_teacher_then_trains_with_it_or_is_skipped_with
     assert (s[thanked]["state"], s[thanked]["skip_reason"]) == ("skipped", "no_hint:no_hindsight")
     assert s[later]["state"] == "pending"
     [sample] = buffer.take_batch(8, current_version=0)
-    assert sample.turn_id == hinted and sample.extra["rl_signal"] is False and sample.extra["opd_state"] == "scored"
-    assert opd.attach([sample]) == 1 and sample.extra["opd"]["teacher_logprobs"] == [-0.1, -0.2, -0.3]
+    assert sample.turn_id == hinted and sample.rl_signal is False and sample.extra["opd_state"] == "scored"
+    assert opd.attach([sample]) == 1 and sample.teacher.teacher_logprobs == [-0.1, -0.2, -0.3]
 
 
 def test_opd_sample_of_a_turn_excluded_after_sampling_is_skipped_not_left_waiting(store):
-    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), rl_judged=False, opd_gated=True)
-    OpdStore(store)  # the teacher's table, as OpdLearning creates it
+    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), OPD)
+    OpdStore(store)  # the teacher's table, as the OPD method creates it
     gate = TeacherGate(buffer, store, wait_s=None)
     turn = chat.conversation(["Shorter, please."], opening="Hi")[0]
     gate.resolve_now()
@@ -68,7 +71,7 @@ def test_opd_sample_of_a_turn_excluded_after_sampling_is_skipped_not_left_waitin
 
 
 def test_combine_keeps_a_hint_without_reward_and_skips_a_turn_with_neither(store):
-    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), rl_judged=True, opd_gated=True)
+    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), COMBINE)
     opd, gate = OpdStore(store), TeacherGate(buffer, store, wait_s=60.0)
     # the rules reward judge reads no signal in either; only the first says what to do
     hint_only = chat.conversation(["Just the number, please."], opening="What is 7+5?")[0]
@@ -85,7 +88,7 @@ def test_combine_keeps_a_hint_without_reward_and_skips_a_turn_with_neither(store
 
 
 def test_combine_rewarded_sample_waits_for_the_teacher_and_trains_rl_only_after_the_timeout(store):
-    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), rl_judged=True, opd_gated=True)
+    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), COMBINE)
     opd, gate = OpdStore(store), TeacherGate(buffer, store, wait_s=30.0)
     both = chat.conversation(["No, that's wrong. Just the number, please."], opening="What is 7+5?")[0]
     slow = chat.conversation(["Thanks, perfect!"], opening="What is 10+11?")[0]  # another prompt: its own group
@@ -102,8 +105,8 @@ def test_combine_rewarded_sample_waits_for_the_teacher_and_trains_rl_only_after_
     gate.resolve_now()
     assert by_turn(buffer)[slow]["opd_state"] == "timeout"
     batch = {b.turn_id: b for b in buffer.take_batch(8, current_version=0)}
-    assert batch[both].extra["rl_signal"] and batch[slow].extra["opd_state"] == "timeout"
-    assert opd.attach(list(batch.values())) == 1 and "opd" not in batch[slow].extra
+    assert batch[both].rl_signal and batch[slow].extra["opd_state"] == "timeout"
+    assert opd.attach(list(batch.values())) == 1 and batch[slow].teacher is None
 
 
 def test_combine_keeps_a_hinted_turn_whose_reward_judge_failed(store):
@@ -113,7 +116,7 @@ def test_combine_keeps_a_hinted_turn_whose_reward_judge_failed(store):
         async def judge(self, item):
             raise RuntimeError("judge engine down")
 
-    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), rl_judged=True, opd_gated=True)
+    chat, buffer = Chat(store), RolloutBuffer(store, TrainConfig(), COMBINE)
     opd, gate = OpdStore(store), TeacherGate(buffer, store, wait_s=60.0)
     turn = chat.conversation(["Too long. One line, please."], opening="Hi")[0]
     judge_all(buffer, judge=Broken(), retries=0)
@@ -127,8 +130,8 @@ def test_combine_keeps_a_hinted_turn_whose_reward_judge_failed(store):
 
 def test_buffer_refuses_no_signal_source_and_unknown_outcomes(store):
     with pytest.raises(ValueError, match="reward judge, an OPD teacher"):
-        RolloutBuffer(store, TrainConfig(), rl_judged=False, opd_gated=False)
-    buffer = RolloutBuffer(store, TrainConfig(), opd_gated=True)
+        Readiness(reward=False, teacher=False)
+    buffer = RolloutBuffer(store, TrainConfig(), COMBINE)
     with pytest.raises(ValueError, match="OPD outcome"):
         buffer.resolve_opd(1, "maybe")
     with pytest.raises(ValueError, match="does not wait for OPD"):

@@ -49,7 +49,7 @@ def test_combine_trains_reward_only_hint_only_and_both(model_dir, tmp_path):
 
 
 def test_short_combine_demo_trains_hinted_and_rewarded_interactions(tmp_path):
-    from clawrl.buffer import RolloutBuffer
+    from clawrl.buffer import Readiness, RolloutBuffer
     from clawrl.cli import main
     from clawrl.config import TrainConfig
     from clawrl.store import TurnStore
@@ -64,7 +64,8 @@ def test_short_combine_demo_trains_hinted_and_rewarded_interactions(tmp_path):
     assert results["method"] == "combine" and [p["train_step"] for p in results["points"]] == [0, 2]
     store = TurnStore(run_dir, create=False)
     try:
-        trained = [s for s in RolloutBuffer(store, TrainConfig(), opd_gated=True).samples() if s["state"] == "trained"]
+        trained = [s for s in RolloutBuffer(store, TrainConfig(), Readiness(teacher=True)).samples()
+                   if s["state"] == "trained"]
         assert len(trained) == 4
         # a correction ("just the number") trains through its hint; each trained turn had a signal
         assert any(s["opd_state"] == "scored" for s in trained)
@@ -75,7 +76,7 @@ def test_short_combine_demo_trains_hinted_and_rewarded_interactions(tmp_path):
 
 def test_frozen_teacher_engine_scores_when_opd_teacher_is_a_path(model_dir, tmp_path):
     app, learner, store = make_app(model_dir, tmp_path, "method=opd", f"opd.teacher={model_dir}")
-    assert learner.opd.teacher_engine is not None and learner.opd.teacher_engine is not learner.engine
+    assert learner.method.teacher_engine is not None and learner.method.teacher_engine is not learner.engine
     with ServerThread(app) as srv:
         interaction(srv.url, "Hi", "Too long. One line, please.")
         interaction(srv.url, "What is 7+5?", "Just the number, please.")
@@ -87,6 +88,7 @@ def test_frozen_teacher_engine_scores_when_opd_teacher_is_a_path(model_dir, tmp_
 
 def test_model_hint_judge_votes_with_a_frozen_engine_not_the_served_policy(model_dir, tmp_path):
     app, learner, store = make_app(model_dir, tmp_path, "method=combine", "opd.hint_judge=model", "opd.votes=1")
-    assert learner.opd.judge_engine is not None and learner.opd.judge_engine is not learner.engine
-    assert learner.opd.worker.hint_judge.kind == "model" and learner.opd.worker.hint_judge.votes == 1
-    assert learner.worker is not None  # combine keeps the reward judge
+    opd = learner.method.opd  # combine's OPD part
+    assert opd.judge_engine is not None and opd.judge_engine is not learner.engine
+    assert opd.worker.hint_judge.kind == "model" and opd.worker.hint_judge.votes == 1
+    assert learner.method.rl.worker is not None  # combine keeps the reward judge

@@ -5,7 +5,7 @@ from typing import AsyncIterator
 
 import pytest
 
-from clawrl.buffer import JudgeWorker, RolloutBuffer
+from clawrl.buffer import RolloutBuffer
 from clawrl.config import EngineConfig, JudgeConfig, TrainConfig
 from clawrl.engines.base import Engine, ModelInfo, SamplingParams, ScoreResult, TokenChunk
 from clawrl.engines.loading import load_model
@@ -15,6 +15,7 @@ from clawrl.judges.base import JudgeInput, majority
 from clawrl.judges.env import EnvJudge, register_env_verdict, unregister_env_verdict
 from clawrl.judges.prm import PRMJudge, parse_score
 from clawrl.judges.rules import NO_FEEDBACK, RulesJudge
+from clawrl.orchestration.judging import JudgeWorker
 from clawrl.store import TurnStore
 from engine_testing import make_model_dir
 

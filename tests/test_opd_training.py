@@ -9,15 +9,15 @@ import math
 import pytest
 
 from clawrl.config import ConfigError
-from clawrl.samples import Sample
+from clawrl.samples import Sample, TeacherSignal
 from test_trainer import make_samples, model_dir, on_policy, trainer_for  # noqa: F401 (fixture)
 
 
 def with_teacher(s: Sample, gaps: list[float], topk=None) -> Sample:
-    """``extra["opd"]`` as ``OpdStore.attach`` fills it: teacher = rollout logprob + gap per token."""
-    s.extra["opd"] = {"hint": "be brief", "teacher_logprobs": [lp + g for lp, g in zip(s.rollout_logprobs, gaps)],
-                      "topk_ids": topk[0] if topk else None, "topk_logprobs": topk[1] if topk else None,
-                      "weight_version": 0, "teacher": "policy"}
+    """``Sample.teacher`` as ``OpdStore.attach`` fills it: teacher = rollout logprob + gap per token."""
+    s.teacher = TeacherSignal(teacher_logprobs=[lp + g for lp, g in zip(s.rollout_logprobs, gaps)],
+                              topk_ids=topk[0] if topk else None, topk_logprobs=topk[1] if topk else None,
+                              hint="be brief")
     return s
 
 
@@ -25,7 +25,7 @@ def test_opd_step_raises_tokens_the_hinted_teacher_prefers_and_lowers_the_rest(m
     trainer = trainer_for(model_dir, "method=opd", "train.lr=3e-3")
     samples = on_policy(trainer, make_samples(trainer.vocab_size, n=2, advantage=0.0))
     for s in samples:
-        s.extra["rl_signal"] = False  # under opd no reward judge ran
+        s.rl_signal = False  # under opd no reward judge ran
         n = len(s.response_ids)
         with_teacher(s, [2.0] * (n // 2) + [-2.0] * (n - n // 2))
     before = trainer.logprobs(samples)
@@ -86,7 +86,7 @@ def combine_batch(trainer):
     both, rl_only, opd_only, neither = samples
     rl_only.advantage = rl_only.reward = -1.0
     for s in (opd_only, neither):
-        s.extra["rl_signal"] = False
+        s.rl_signal = False
         s.advantage = s.reward = 0.0
     for s in (both, opd_only):
         with_teacher(s, [1.0] * len(s.response_ids))

@@ -14,7 +14,7 @@ from clawrl.judges.base import JudgeInput
 from clawrl.judges.hints import HintJudge, HintVerdict, HintVote, RulesHintJudge
 from clawrl.samples import Sample
 from clawrl.store import TurnStore
-from clawrl.teacher import OpdStore, TeacherWorker, hint_tag, hinted_messages, teacher_prompt_ids
+from clawrl.methods.opd.teacher import OpdStore, TeacherWorker, hint_tag, hinted_messages, teacher_prompt_ids
 from engine_testing import make_model_dir
 from test_buffer import SYSTEM, Chat, assistant, user
 from test_judges import CannedEngine
@@ -203,9 +203,9 @@ def test_attach_puts_teacher_signal_on_scored_samples_only(store, model):
     samples = [Sample(1, hinted, "g", [], [1, 2, 3, 4], [0.0] * 4, [0] * 4, 0.0, 0.0),
                Sample(2, thanks, "g", [], [1, 2, 3, 4], [0.0] * 4, [0] * 4, 0.0, 0.0)]
     assert opd.attach(samples) == 1
-    assert samples[0].extra["opd"]["teacher_logprobs"] == [-0.5] * 4
-    assert samples[0].extra["opd"]["hint"] == "Answer in one line." and samples[0].extra["opd"]["topk_ids"] is None
-    assert "opd" not in samples[1].extra
+    assert samples[0].teacher.teacher_logprobs == [-0.5] * 4
+    assert samples[0].teacher.hint == "Answer in one line." and samples[0].teacher.topk_ids is None
+    assert samples[1].teacher is None
 
 
 def test_hint_goes_on_the_last_user_message_of_the_history():

@@ -10,9 +10,9 @@ Lifecycle of a sample (table ``samples`` in the turn store's SQLite file)::
   its reason: ``side_turn``, ``excluded`` (admin), ``untrainable:<reason>`` (aborted, error,
   secret_redacted, empty_response), ``no_next_state`` (closed by session end or idle timeout).
   So no turn disappears: each ends trained, or skipped with a recorded reason.
-- **judged**: the :class:`JudgeWorker` stored a verdict (reward = its score, every vote in table
-  ``votes``). Garbage, timeouts and judge errors, after ``judge.retries`` retries, skip the sample
-  (``judge_garbage``, ``judge_timeout``, ``judge_error``). A verdict *without signal* (the rules
+- **judged**: a reward judge (``clawrl.orchestration.judging.JudgeWorker``) stored a verdict
+  (reward = its score, every vote in table ``votes``). Garbage, timeouts and judge errors, after
+  ``judge.retries`` retries, skip the sample (``judge_garbage``, ``judge_timeout``, ``judge_error``). A verdict *without signal* (the rules
   judge saw no explicit feedback, no environment verdict applied) is skipped as ``no_signal``:
   its 0 means "unknown", and training on it as a neutral reward would teach the policy that
   unremarked replies are average -- while under the default ``train.baseline=reward`` it would
@@ -38,9 +38,9 @@ Lifecycle of a sample (table ``samples`` in the turn store's SQLite file)::
 
 Use (the orchestrator)::
 
-    buffer = RolloutBuffer(store, cfg.train)
+    buffer = RolloutBuffer(store, cfg.train, method.readiness)
     buffer.requeue_after_restore(step)                      # at start-up, after loading checkpoint `step`
-    worker = JudgeWorker(buffer, make_judge(cfg.judge, judge_engine), cfg.judge)
+    worker = JudgeWorker(buffer, make_judge(cfg.judge, judge_engine), cfg.judge)  # clawrl.orchestration.judging
     worker.start()                                          # an asyncio task; worker.notify() wakes it
     if buffer.ready_count() >= cfg.train.batch_size:
         batch = await asyncio.to_thread(buffer.take_batch, cfg.train.batch_size, engine_weight_version)
@@ -48,39 +48,42 @@ Use (the orchestrator)::
         buffer.mark_trained([s.sample_id for s in batch], train_step, new_weight_version)
     buffer.counts()                                         # for /admin/status
 
-On-policy distillation (``method=opd|combine``) adds a second signal, the teacher's score of a turn
-(``clawrl.teacher``), resolved per sample with :meth:`RolloutBuffer.resolve_opd` (``opd_state``:
-``scored``, ``none`` -- no hint or the teacher failed --, or ``timeout``). With ``opd_gated`` a judged
-sample is promoted to ready only once its OPD is resolved, so a sample never trains without a teacher
-score that is still coming. Without ``rl_judged`` (``method=opd``) no reward judge runs: a pending
-sample with a teacher score becomes ready (``rl_signal=0``, advantage 0), one without is skipped as
-``no_hint:<reason>`` / ``teacher_failed:<reason>``. With both (``combine``) a verdict without signal
-is kept (``rl_signal=0``) while its hint may still train it, and skipped as ``no_signal`` once the
-teacher has nothing either; a sample with a reward whose teacher score has not come after
+Which signals a sample waits for is the method's readiness rule (:class:`Readiness`, from
+``Method.readiness`` in ``clawrl.methods``): a reward judge's verdict, a teacher outcome, or both.
+On-policy distillation (``method=opd|combine``) adds the teacher's score of a turn
+(``clawrl.methods.opd``), resolved per sample with :meth:`RolloutBuffer.resolve_opd` (``opd_state``:
+``scored``, ``none`` -- no hint or the teacher failed --, or ``timeout``). With ``Readiness.teacher`` a
+judged sample is promoted to ready only once its OPD is resolved, so a sample never trains without a
+teacher score that is still coming. Without ``Readiness.reward`` (``method=opd``) no reward judge runs:
+a pending sample with a teacher score becomes ready (``rl_signal=0``, advantage 0), one without is
+skipped as ``no_hint:<reason>`` / ``teacher_failed:<reason>``. With both (``combine``) a verdict without
+signal is kept (``rl_signal=0``) while its hint may still train it, and skipped as ``no_signal`` once
+the teacher has nothing either; a sample with a reward whose teacher score has not come after
 ``combine.opd_wait_s`` is resolved as ``timeout`` and trains RL-only (the caller decides the timeout).
 Samples without a reward signal take no part in group statistics or the EMA baseline.
+
+The buffer stores what a judge decided without depending on the judges: a verdict is anything shaped
+like ``clawrl.judges.base.Verdict`` (:class:`VerdictRecord`).
 
 The buffer has its own schema version (``meta.buffer_schema_version``) so the store's schema and
 its migrations stay the store's own.
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
 import time
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from clawrl.config import JudgeConfig, TrainConfig
-from clawrl.judges.base import Judge, JudgeInput, Verdict, Vote
+from clawrl.config import TrainConfig
 from clawrl.losses import GROUP_MODES, RunningBaseline, group_advantages
 from clawrl.samples import Sample
 from clawrl.store import TurnStore, unpack
 from clawrl.weight_lineage import lag_counter
-from clawrl.workers import PollingWorker
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,42 @@ _META_SCAN = "buffer_scan_from"  # every turn below this id is closed and has it
 _META_BASELINE = "buffer_baseline"
 
 
+@dataclass(frozen=True)
+class Readiness:
+    """Which signals a sample waits for before it is ready: a method's rule (``Method.readiness``).
+
+    ``reward``: a reward judge scores every pending sample (``record_verdict``/``record_failure``);
+    without one, a sample leaves pending only through its teacher outcome. ``teacher``: a judged sample
+    is promoted only once its teacher outcome is in (``resolve_opd``), and a sample without a reward
+    signal is kept while its teacher may still train it.
+    """
+
+    reward: bool = True
+    teacher: bool = False
+
+    def __post_init__(self):
+        if not (self.reward or self.teacher):
+            raise ValueError("a rollout buffer needs a reward judge, an OPD teacher, or both")
+
+
+class VoteRecord(Protocol):
+    """One judge vote as the ``votes`` table keeps it (``clawrl.judges.base.Vote``)."""
+
+    score: Optional[int]
+    rationale: str
+    raw: str
+
+
+class VerdictRecord(Protocol):
+    """A judge's verdict as the buffer stores it (``clawrl.judges.base.Verdict``)."""
+
+    score: int
+    votes: list
+    kind: str
+    signal: bool
+    rationale: str
+
+
 def turn_skip_reason(turn_type: str, trainable: int, untrainable_reason: Optional[str],
                      close_reason: Optional[str]) -> Optional[str]:
     """Why a closed turn cannot be a training sample, or None if it can."""
@@ -171,9 +210,7 @@ class RolloutBuffer:
     """Samples on the turn store (see the module docstring). Methods are synchronous SQLite
     transactions; from the event loop call them with ``asyncio.to_thread``."""
 
-    def __init__(self, store: TurnStore, train: TrainConfig, rl_judged: bool = True, opd_gated: bool = False):
-        if not (rl_judged or opd_gated):
-            raise ValueError("a rollout buffer needs a reward judge, an OPD teacher, or both")
+    def __init__(self, store: TurnStore, train: TrainConfig, readiness: Readiness = Readiness()):
         if train.stale_policy not in STALE_POLICIES:
             raise ValueError(f"train.stale_policy must be one of {', '.join(STALE_POLICIES)}, not {train.stale_policy!r}")
         if train.baseline not in BASELINES:
@@ -185,7 +222,7 @@ class RolloutBuffer:
             raise ValueError("train.max_weight_lag must be >= 0")
         self.store = store
         self.train = train
-        self.rl_judged, self.opd_gated = rl_judged, opd_gated
+        self.readiness = readiness
         self._migrate()
 
     # --- schema --------------------------------------------------------------------------------
@@ -277,9 +314,10 @@ class RolloutBuffer:
 
     # --- judging -------------------------------------------------------------------------------
 
-    def pending_inputs(self, limit: int, exclude: Iterable[int] = ()) -> list[tuple[int, JudgeInput]]:
-        """Up to ``limit`` pending samples (oldest first, not in ``exclude``) with what the judge
-        needs. A sample whose turn was relabelled (excluded, side) since is skipped here instead."""
+    def pending_turns(self, limit: int, exclude: Iterable[int] = ()) -> list[tuple[int, dict]]:
+        """Up to ``limit`` pending samples (oldest first, not in ``exclude``) with the stored turn a
+        judge reads (``JudgeInput.from_turn``). A sample whose turn was relabelled (excluded, side)
+        since is skipped here instead."""
         exclude = set(exclude)
         out, relabelled = [], []
         rows = self.store.connection().execute(
@@ -295,10 +333,10 @@ class RolloutBuffer:
             if skip:
                 relabelled.append((sid, skip))
                 continue
-            out.append((sid, JudgeInput.from_turn({
+            out.append((sid, {
                 "turn_id": turn_id, "messages": json.loads(messages), "history_len": hist_len, "response_text": text,
                 "tool_calls": json.loads(calls) if calls else None, "next_state": json.loads(next_state),
-            })))
+            }))
             if len(out) >= limit:
                 break
         for sid, reason in relabelled:
@@ -325,7 +363,7 @@ class RolloutBuffer:
             log.info("sample %d skipped: %s (relabelled after sampling)", sample_id, reason)
 
     @staticmethod
-    def _insert_votes(c, sample_id: int, kind: str, votes: Sequence[tuple[int, Vote]], now: float) -> None:
+    def _insert_votes(c, sample_id: int, kind: str, votes: Sequence[tuple[int, VoteRecord]], now: float) -> None:
         for i, (attempt, v) in enumerate(votes):
             c.execute(
                 "INSERT INTO votes (sample_id, attempt, vote_index, judge_kind, score, rationale, raw, at) "
@@ -333,8 +371,8 @@ class RolloutBuffer:
                 (sample_id, attempt, i, kind, v.score, v.rationale, v.raw, now),
             )
 
-    def record_verdict(self, sample_id: int, verdict: Verdict, attempt: int = 1,
-                       earlier: Sequence[tuple[int, Vote]] = (), now: Optional[float] = None) -> str:
+    def record_verdict(self, sample_id: int, verdict: VerdictRecord, attempt: int = 1,
+                       earlier: Sequence[tuple[int, VoteRecord]] = (), now: Optional[float] = None) -> str:
         """Store a verdict reached on ``attempt``, its votes and the (attempt, vote) pairs of earlier
         failed attempts. Returns the sample's new state (ready, judged, or skipped as no_signal)."""
         now = time.time() if now is None else now
@@ -342,7 +380,7 @@ class RolloutBuffer:
         with self.store.transaction() as c:
             self._insert_votes(c, sample_id, verdict.kind, all_votes, now)
             # under OPD a verdict without signal waits for the teacher, unless the teacher has nothing
-            hint_may_train = self.opd_gated and self._opd_state(c, sample_id) in (None, "scored")
+            hint_may_train = self.readiness.teacher and self._opd_state(c, sample_id) in (None, "scored")
             if not verdict.signal and not hint_may_train:
                 state = self._finish_skip(c, sample_id, "no_signal", now, verdict=verdict.score, kind=verdict.kind)
                 ready = []
@@ -363,7 +401,7 @@ class RolloutBuffer:
         self._log_ready(ready)
         return state
 
-    def record_failure(self, sample_id: int, reason: str, kind: str, votes: Sequence[tuple[int, Vote]] = (),
+    def record_failure(self, sample_id: int, reason: str, kind: str, votes: Sequence[tuple[int, VoteRecord]] = (),
                        now: Optional[float] = None) -> None:
         """The judge never gave a usable verdict: keep its votes, skip the sample with ``reason`` --
         except under OPD while its hint may still train it: then it waits for the teacher like a
@@ -371,7 +409,7 @@ class RolloutBuffer:
         now = time.time() if now is None else now
         with self.store.transaction() as c:
             self._insert_votes(c, sample_id, kind, votes, now)
-            if self.opd_gated and self._opd_state(c, sample_id) in (None, "scored"):
+            if self.readiness.teacher and self._opd_state(c, sample_id) in (None, "scored"):
                 # no reward, but its hint may still train it: as a verdict without signal
                 c.execute("UPDATE samples SET state = 'judged', judge_kind = ?, reward = 0, rl_signal = 0, "
                           "judged_at = ? WHERE sample_id = ? AND state = 'pending'", (kind, now, sample_id))
@@ -409,8 +447,8 @@ class RolloutBuffer:
         Returns the sample's state afterwards."""
         if outcome not in OPD_OUTCOMES:
             raise ValueError(f"OPD outcome must be one of {', '.join(OPD_OUTCOMES)}, not {outcome!r}")
-        if not self.opd_gated:
-            raise ValueError("this buffer does not wait for OPD (opd_gated=False)")
+        if not self.readiness.teacher:
+            raise ValueError("this buffer does not wait for OPD (its readiness has no teacher)")
         now = time.time() if now is None else now
         ready: list = []
         with self.store.transaction() as c:
@@ -422,7 +460,7 @@ class RolloutBuffer:
             if current is not None or state not in ("pending", "judged"):
                 return state
             c.execute("UPDATE samples SET opd_state = ? WHERE sample_id = ?", (outcome, sample_id))
-            if state == "pending" and not self.rl_judged:
+            if state == "pending" and not self.readiness.reward:
                 if outcome != "scored":
                     state = self._finish_skip(c, sample_id, reason or "no_hint", now, kind="opd")
                 else:
@@ -464,7 +502,7 @@ class RolloutBuffer:
         """
         # with OPD, a group waits until every judged member's teacher outcome is in, too
         opd_wait = ("AND NOT EXISTS (SELECT 1 FROM samples o WHERE o.group_id = s.group_id AND o.state = 'judged' "
-                    "AND o.opd_state IS NULL) " if self.opd_gated else "")
+                    "AND o.opd_state IS NULL) " if self.readiness.teacher else "")
         rows = c.execute(
             "SELECT s.sample_id, s.turn_id, s.group_id, s.reward, s.rl_signal FROM samples s WHERE s.state = 'judged' "
             "AND NOT EXISTS (SELECT 1 FROM samples p WHERE p.group_id = s.group_id AND p.state = 'pending') "
@@ -549,7 +587,8 @@ class RolloutBuffer:
                         sample_id=sid, turn_id=turn_id, group_id=group_id, prompt_ids=unpack(p_blob, "i"),
                         response_ids=unpack(r_blob, "i"), rollout_logprobs=unpack(lp_blob, "d"),
                         weight_versions=versions, reward=float(reward), advantage=float(adv),
-                        extra={"weight_lag": lag, "judge_kind": kind, "temperature": temperature, "rl_signal": bool(rl_signal),
+                        rl_signal=bool(rl_signal),
+                        extra={"weight_lag": lag, "judge_kind": kind, "temperature": temperature,
                                "opd_state": opd_state},
                     ))
         for sid, turn_id, why in skipped:
@@ -673,61 +712,3 @@ class RolloutBuffer:
                                           (sample_id,))
         return [dict(zip(cols, r)) for r in rows]
 
-
-class JudgeWorker(PollingWorker):
-    """Judges pending samples in the background, ``judge.concurrency`` at a time.
-
-    Each call is bounded by ``judge.timeout_s`` and retried up to ``judge.retries`` times on a
-    timeout, an exception or an all-garbage verdict; then the sample is skipped with the reason
-    (``judge_timeout``, ``judge_error``, ``judge_garbage``). Every attempt's votes are stored.
-    The polling loop (``start``, ``notify``, ``drain``, ``stop``) is ``clawrl.workers.PollingWorker``.
-    """
-
-    name = "judge worker"
-    item_label = "sample"
-
-    def __init__(self, buffer: RolloutBuffer, judge: Judge, judge_cfg: JudgeConfig, poll_s: float = 1.0):
-        if judge_cfg.concurrency < 1:
-            raise ValueError("judge.concurrency must be at least 1")
-        if judge_cfg.timeout_s <= 0 or judge_cfg.retries < 0:
-            raise ValueError("judge.timeout_s must be > 0 and judge.retries >= 0")
-        super().__init__(judge_cfg.concurrency, poll_s)
-        self.buffer, self.judge, self.judge_cfg = buffer, judge, judge_cfg
-
-    def _started_message(self) -> str:
-        return (f"judge worker started: {self.judge.kind} judge, {self.judge_cfg.concurrency} at a time, "
-                f"timeout {self.judge_cfg.timeout_s:.0f} s, {self.judge_cfg.retries} retries")
-
-    async def _prepare(self) -> None:
-        await asyncio.to_thread(self.buffer.sync)
-
-    async def _next_work(self, free: int, busy: list[int]):
-        items = await asyncio.to_thread(self.buffer.pending_inputs, free, busy)
-        return [(sid, self._judge_one(sid, item)) for sid, item in items]
-
-    async def _judge_one(self, sample_id: int, item: JudgeInput) -> None:
-        tried: list[tuple[int, Vote]] = []
-        reason = "judge_error"
-        for attempt in range(1, self.judge_cfg.retries + 2):
-            try:
-                verdict = await asyncio.wait_for(self.judge.judge(item), self.judge_cfg.timeout_s)
-            except asyncio.TimeoutError:
-                reason = "judge_timeout"
-                tried.append((attempt, Vote(None, f"timeout: no verdict within {self.judge_cfg.timeout_s:g} s", "")))
-                log.warning("judging sample %d timed out (attempt %d)", sample_id, attempt)
-                continue
-            except Exception as e:
-                reason = "judge_error"
-                tried.append((attempt, Vote(None, f"error: {type(e).__name__}: {str(e)[:300]}", "")))
-                log.warning("judging sample %d failed (attempt %d): %s", sample_id, attempt, e)
-                continue
-            if verdict.garbage:
-                reason = "judge_garbage"
-                tried += [(attempt, v) for v in verdict.votes]
-                log.warning("judge answered garbage for sample %d (attempt %d)", sample_id, attempt)
-                continue
-            await asyncio.to_thread(self.buffer.record_verdict, sample_id, verdict, attempt, tried)
-            self.finished += 1
-            return
-        await asyncio.to_thread(self.buffer.record_failure, sample_id, reason, self.judge.kind, tried)
-        self.finished += 1

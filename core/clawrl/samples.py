@@ -2,12 +2,26 @@
 
 One sample is one assistant turn as it was served (token-in, token-out): the exact prompt ids,
 the sampled response ids, the logprob of each response token under the policy that sampled it,
-and the weight version of each token. The buffer fills in the reward and the advantage; the
-trainer recomputes logprobs and never re-tokenises text.
+and the weight version of each token. The buffer fills in the reward and the advantage, and a
+method (``clawrl.methods``) its own typed signal, such as OPD's teacher scores; the trainer
+recomputes logprobs and never re-tokenises text.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TeacherSignal:
+    """The OPD teacher's view of a sample's sampled tokens under the hinted prompt
+    (``clawrl.methods.opd``): what the OPD advantage and the top-k distillation term train on."""
+
+    teacher_logprobs: list[float]  # one per response token
+    topk_ids: list[list[int]] | None = None  # [T][K] the teacher's top-k ids (opd.topk > 0)
+    topk_logprobs: list[list[float]] | None = None  # [T][K] their logprobs, at temperature 1
+    hint: str = ""  # the hint the teacher was given
+    teacher: str = "policy"  # opd.teacher when it scored: policy or a model path
+    weight_version: int = 0  # the teacher's weight version when it scored
 
 
 @dataclass
@@ -23,7 +37,12 @@ class Sample:
     advantage: float  # per-sample scalar, broadcast over response tokens by the trainer
     # 1 where a response token trains; None: every response token trains
     loss_mask: list[int] | None = None
-    # extra per-sample data a method adds (e.g. OPD teacher logprobs); the torch trainer ignores unknown keys
+    # False when no judged reward stands behind ``reward`` (under OPD no reward judge runs, or it saw no
+    # signal): the sample then trains only on what else it has, never on a made-up reward of 0
+    rl_signal: bool = True
+    # OPD: the teacher's scores of the response tokens; None when the turn had no scored hint
+    teacher: TeacherSignal | None = None
+    # bookkeeping the buffer adds (weight_lag, judge_kind, temperature, opd_state); trainers read temperature
     extra: dict = field(default_factory=dict)
 
     @property

@@ -1,12 +1,12 @@
 """Background workers that pull work from the store and process a bounded number of items at once.
 
-The judge worker (``clawrl.buffer.JudgeWorker``) and the OPD teacher worker
-(``clawrl.teacher.TeacherWorker``) share this loop: poll the store every ``poll_s`` seconds, or
-sooner after ``notify()`` (thread-safe, so the gateway can wake a worker when a turn closes), and
-keep at most ``concurrency`` items in flight. Serving never waits on them: they only read turns
-that are already stored. ``drain()`` processes everything outstanding now and returns, for tests
-and shutdown; a failure to *record* a result is raised from ``drain()`` (the item stays
-outstanding and is retried by the next poll when running in the background).
+The judge worker (``clawrl.orchestration.judging.JudgeWorker``), the OPD teacher worker
+(``clawrl.methods.opd.teacher.TeacherWorker``) and the OPD teacher gate share this loop: poll the
+store every ``poll_s`` seconds, or sooner after ``notify()`` (thread-safe, so the gateway can wake a
+worker when a turn closes), and keep at most ``concurrency`` items in flight. Serving never waits on
+them: they only read turns that are already stored. ``drain()`` processes everything outstanding
+now and returns, for tests and shutdown; a failure to *record* a result is raised from ``drain()``
+(the item stays outstanding and is retried by the next poll when running in the background).
 """
 from __future__ import annotations
 

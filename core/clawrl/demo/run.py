@@ -155,7 +155,7 @@ def demo_cli(args) -> int:
     """``clawrl demo method=rl|opd|combine [key=value ...]``."""
     from clawrl.cli import CliError
     from clawrl.config import compose
-    from clawrl.orchestration.learner import check_method
+    from clawrl.methods.registry import check_method
 
     overrides = list(args.overrides)
     if not any(o.startswith("run_dir=") for o in overrides):

@@ -1,7 +1,7 @@
 """Judges: score a turn from its next state (rules, a judge model, or an environment verdict).
 
-``make_judge(cfg.judge, engine)`` builds the configured one; the buffer's ``JudgeWorker`` runs it
-with bounded concurrency, timeouts and retries.
+``make_judge(cfg.judge, engine)`` builds the configured one; the ``JudgeWorker``
+(``clawrl.orchestration.judging``) runs it with bounded concurrency, timeouts and retries.
 """
 from __future__ import annotations
 

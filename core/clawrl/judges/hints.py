@@ -5,7 +5,7 @@ says what the reply should have been. A hint judge reads the turn and its next s
 *accepts* with a short, actionable hint ("Answer in one line, without rhymes.") or *rejects*
 (a thank-you, a new question, chit-chat: nothing says how turn t could have been better). The
 teacher then scores turn t's sampled tokens under the prompt with the hint appended
-(``clawrl.teacher``).
+(``clawrl.methods.opd.teacher``).
 
 Two judges:
 

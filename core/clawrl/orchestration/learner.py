@@ -1,21 +1,23 @@
-"""Binary RL beside the gateway: judge served turns by what came next, train, serve the new weights.
+"""Learning beside the gateway: give served turns a training signal, train, serve the new weights.
 
 Four things run at once in the server's event loop, and serving never waits on the other three:
 
 - the gateway serves and records turns (``clawrl.gateway``);
-- the ``JudgeWorker`` turns closed turns into samples and scores each by its next state
-  (+1 / -1, or skipped with a reason), ``judge.concurrency`` at a time;
+- the method's signal workers (``cfg.method``, ``clawrl.methods``) give closed turns their signal:
+  Binary RL's reward judge scores each by its next state (+1 / -1, or skipped with a reason), OPD's
+  hint judge and teacher score its tokens under a hint from it, Combine runs both; the rollout buffer
+  makes a sample ready when the method's readiness rule says so;
 - the training loop (``Learner._train_loop``) waits until ``train.batch_size`` samples are ready,
   takes them, runs one optimizer step in a worker thread (torch releases the GIL, so tokens keep
   streaming), pushes the new weights to the engine as the next version (swapped between decode
   steps, never a 503), marks the samples trained, checkpoints every ``train.save_every`` steps and
-  logs what it trained and what it skipped and why;
+  logs what it trained and what it skipped and why; the method puts its per-sample data on each
+  batch (``Method.attach``) and gives the trainer its per-token advantages;
 - admin routes pause and resume *training only* (``POST /admin/pause``, ``/admin/resume``) and
   ``GET /admin/status`` reports samples, steps, the last loss and why training is paused.
 
-``method=opd`` replaces the reward judge with on-policy distillation (a hint judge and a teacher
-scoring each turn's tokens under the hinted prompt; ``clawrl.orchestration.opd``), and
-``method=combine`` runs both: a turn trains with its reward, its teacher signal, or both.
+The learner never asks which method it runs: it starts, wakes and stops whatever signal workers the
+method built (``Method.prepare``), and shows the method's own status.
 
 On start the learner resumes from the newest checkpoint (trainer weights, optimizer, step, and the
 engine serving those weights under the checkpoint's version) and returns to ready every sample
@@ -34,43 +36,36 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 
-from clawrl.buffer import JudgeWorker, RolloutBuffer
-from clawrl.config import ClawrlConfig, ConfigError
+from clawrl.buffer import RolloutBuffer
+from clawrl.checkpoints import CheckpointError, CheckpointStore
+from clawrl.config import ClawrlConfig
 from clawrl.engines.base import Engine
-from clawrl.judges import make_judge
+from clawrl.errors import CliError
+from clawrl.gateway.protocol import ApiError
+from clawrl.judges import JudgeError
+from clawrl.methods.base import SignalWorkers
+from clawrl.methods.registry import check_method, load_method
+from clawrl.metrics import MetricsLogger
 from clawrl.samples import Sample
 from clawrl.store import TurnStore
+from clawrl.trainers import TrainerError, make_trainer
 from clawrl.weight_sync import InProcessWeightSync
 
 log = logging.getLogger(__name__)
 
-METHODS_BUILT = ("rl", "opd", "combine")
-
-
-def check_method(method: str) -> None:
-    """Refuse an unknown method in one line."""
-    if method not in METHODS_BUILT:
-        raise ConfigError(f"unknown method '{method}'; choose one of {', '.join(METHODS_BUILT)}")
-
 
 class Learner:
-    """Judging and training for one run; see the module docstring.
+    """The method's signal workers and training, for one run; see the module docstring.
 
     ``start()`` after the engine has started; ``stop()`` before it shuts down. ``pause()`` /
     ``resume()`` act between train steps (a step in flight finishes and its weights are served).
     """
 
     def __init__(self, cfg: ClawrlConfig, engine: Engine, store: TurnStore, poll_s: float = 0.25):
-        from clawrl.checkpoints import CheckpointStore
-        from clawrl.metrics import MetricsLogger
-
-        check_method(cfg.method)
         self.cfg, self.engine, self.store, self.poll_s = cfg, engine, store, poll_s
-        # opd: no reward judge; opd and combine: a judged sample waits for its teacher outcome
-        self.buffer = RolloutBuffer(store, cfg.train, rl_judged=cfg.method != "opd", opd_gated=cfg.method != "rl")
-        self.judge_engine: Optional[Engine] = None
-        self.worker: Optional[JudgeWorker] = None  # the reward judge (rl, combine)
-        self.opd = None  # clawrl.orchestration.opd.OpdLearning (opd, combine)
+        self.method = load_method(cfg)
+        self.buffer = RolloutBuffer(store, cfg.train, self.method.readiness)
+        self.signals = SignalWorkers()  # the method's, built by prepare()
         self.checkpoints = CheckpointStore(store.run_dir, cfg.train)
         self.metrics = MetricsLogger(store.run_dir, cfg.logging, run_config=dataclasses.asdict(cfg))
         self.sync = InProcessWeightSync(engine)
@@ -91,15 +86,10 @@ class Learner:
     # ---------------------------------------------------------------- lifecycle
 
     def prepare(self) -> None:
-        """Build the trainer (and a PRM judge's engine) and load the newest checkpoint into it.
+        """Build the trainer and the method's signal workers, and load the newest checkpoint.
 
         Synchronous and before serving, so a bad setting or an unusable checkpoint is a one-line
         error at startup rather than a failure inside the running server."""
-        from dataclasses import replace
-
-        from clawrl.engines import make_engine
-        from clawrl.trainers import make_trainer
-
         model_path = str(self.engine.model_info().path)
         self.trainer = make_trainer(self.cfg, model_path)
         self.sync = self.trainer.weight_sync(self.engine)  # in-process, or streamed from trainer ranks
@@ -113,23 +103,10 @@ class Learner:
             served = self.checkpoints.high_water()
             self._resume_step, self._resume_version, self._resume_source = 0, served + 1 if served else 0, 0
         self._saved_step = self._resume_step
-        if self.cfg.method != "rl":
-            from clawrl.orchestration.opd import OpdLearning
-
-            self.opd = OpdLearning(self.cfg, self.engine, self.store, self.buffer)
-            self.opd.prepare()
-        if self.cfg.method == "opd":
-            return
-        if self.cfg.judge.kind == "prm":
-            # The PRM judge scores with its own frozen engine (judge.model.path, or the base policy as
-            # it was before training), so the judge never drifts with the weights it judges.
-            model = replace(self.cfg.model, path=self.cfg.judge.model.path or model_path, name=None)
-            # a frozen judge is not the served policy: it stays in this process, not on Ray
-            self.judge_engine = make_engine(replace(self.cfg, model=model, cluster=replace(self.cfg.cluster, ray=False)))
-        self.worker = JudgeWorker(self.buffer, make_judge(self.cfg.judge, self.judge_engine), self.cfg.judge)
+        self.signals = self.method.prepare(self.engine, self.store, self.buffer)
 
     async def start(self) -> None:
-        """Serve the resumed weights, requeue lost updates, start judging and training."""
+        """Serve the resumed weights, requeue lost updates, start the signal workers and training."""
         if self.trainer is None:
             await asyncio.to_thread(self.prepare)
         version = self._resume_version
@@ -140,24 +117,21 @@ class Learner:
             await asyncio.to_thread(self.checkpoints.record_version, version)
         requeued = await asyncio.to_thread(self.buffer.requeue_after_restore, self._resume_step)
         self.train_step = self._resume_step
-        if self.judge_engine is not None:
-            await self.judge_engine.start()
-        if self.worker is not None:
-            self.worker.start()
-        if self.opd is not None:
-            await self.opd.start()
+        for engine in self.signals.engines:
+            await engine.start()
+        for worker in self.signals.workers:
+            worker.start()
         self._skip_mark = time.time()
         self._task = asyncio.get_running_loop().create_task(self._train_loop(), name="clawrl-train-loop")
-        log.info("learning: method=%s, %s, batches of %d, lr %g; train step %d, serving weight version %d%s",
-                 self.cfg.method, "no reward judge" if self.worker is None else f"{self.cfg.judge.kind} judge",
-                 self.cfg.train.batch_size, self.cfg.train.lr,
+        log.info("learning: method=%s, batches of %d, lr %g; train step %d, serving weight version %d%s",
+                 self.cfg.method, self.cfg.train.batch_size, self.cfg.train.lr,
                  self.trainer.step, self.sync.version,
                  f"; {requeued} sample(s) whose update was lost are ready again" if requeued else "")
 
     async def stop(self, step_timeout_s: float = 300.0) -> None:
-        """Stop judging and training. A step in flight finishes first (weights pushed, samples marked),
-        then the newest step is checkpointed if ``train.save_every`` has not saved it yet, so a clean
-        stop (SIGINT, SIGTERM) loses no training. Past ``step_timeout_s`` the step in flight is
+        """Stop the signal workers and training. A step in flight finishes first (weights pushed,
+        samples marked), then the newest step is checkpointed if ``train.save_every`` has not saved it
+        yet, so a clean stop (SIGINT, SIGTERM) loses no training. Past ``step_timeout_s`` the step in flight is
         abandoned, nothing is saved from its half-updated trainer, and its samples, still consumed,
         are requeued on the next start."""
         self._stopping = True
@@ -179,12 +153,10 @@ class Learner:
                      self.train_step, self.sync.version, self.cfg.train.save_every)
             await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
             self._saved_step = self.train_step
-        if self.worker is not None:
-            await self.worker.stop()
-        if self.opd is not None:
-            await self.opd.stop()
-        if self.judge_engine is not None:
-            await self.judge_engine.shutdown()
+        for worker in self.signals.workers:
+            await worker.stop()
+        for engine in self.signals.engines:
+            await engine.shutdown()
         if self.trainer is not None:
             close_sync = getattr(self.sync, "close", None)
             if close_sync is not None:
@@ -239,8 +211,7 @@ class Learner:
         samples = await asyncio.to_thread(self.buffer.take_batch, self.cfg.train.batch_size, version)
         if not samples:
             return False
-        if self.opd is not None:
-            await asyncio.to_thread(self.opd.attach, samples)
+        await asyncio.to_thread(self.method.attach, samples)
         self.stepping = True
         try:
             # The step runs in a thread: the event loop keeps serving while torch computes.
@@ -281,12 +252,10 @@ class Learner:
         return True
 
     def notify(self) -> None:
-        """A chat request finished: a turn may have closed (its next state arrived), so judge now
-        instead of at the next poll. Thread-safe."""
-        if self.worker is not None:
-            self.worker.notify()
-        if self.opd is not None:
-            self.opd.notify()
+        """A chat request finished: a turn may have closed (its next state arrived), so wake the
+        signal workers now instead of at their next poll. Thread-safe."""
+        for worker in self.signals.workers:
+            worker.notify()
 
     def _skips_since_last_step(self) -> list[tuple[int, str]]:
         """(turn, reason) of samples skipped since the previous step's log line."""
@@ -315,8 +284,8 @@ class Learner:
         """The training section of ``/admin/status`` (synchronous: reads the store)."""
         counts = self.buffer.counts()
         judged = self.buffer.judged_count()
-        out = {
-            "enabled": True, "method": self.cfg.method, "judge": None if self.worker is None else self.cfg.judge.kind,
+        return {
+            "enabled": True, "method": self.cfg.method, **self.method.status(),
             "paused": self.paused_reason is not None, "paused_reason": self.paused_reason,
             "train_step": self.train_step,
             "weight_version": self.sync.version, "last_loss": self.last_loss, "last_step_at": self.last_step_at,
@@ -327,9 +296,6 @@ class Learner:
             "judge_votes": {"votes": counts["votes"], "garbage": counts["garbage_votes"],
                             "agreement": counts["judge_agreement"]},
         }
-        if self.opd is not None:
-            out["opd"] = self.opd.status()
-        return out
 
 
 def _turns(samples: list[Sample]) -> str:
@@ -339,7 +305,7 @@ def _turns(samples: list[Sample]) -> str:
 
 
 class _NotifyAfterChat:
-    """ASGI middleware: after each chat request, wake the judge (a next state may have arrived)."""
+    """ASGI middleware: after each chat request, wake the signal workers (a next state may have arrived)."""
 
     def __init__(self, app, learner: Learner):
         self.app, self.learner = app, learner
@@ -357,11 +323,6 @@ def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: Turn
     stopped before it, with the admin routes for pause/resume and a training section in
     ``/admin/status``. ``train.enabled=false``: serve and record only (returns None)."""
     check_method(cfg.method)
-    from clawrl.checkpoints import CheckpointError
-    from clawrl.cli import CliError
-    from clawrl.judges import JudgeError
-    from clawrl.trainers import TrainerError
-
     gw = app.state.gateway
     learner = None
     if cfg.train.enabled:
@@ -395,8 +356,6 @@ def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: Turn
         gw.admin_keys.check(request.headers.get("authorization"))
 
     def refuse_disabled() -> None:
-        from clawrl.gateway.protocol import ApiError
-
         raise ApiError(409, "training is disabled (train.enabled=false); nothing to pause or resume",
                        code="training_disabled")
 

@@ -23,7 +23,8 @@ from clawrl.engines.base import EngineError
 from clawrl.errors import CliError
 from clawrl.gateway.app import create_app
 from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
-from clawrl.orchestration.learner import attach_learning, check_method
+from clawrl.methods.registry import check_method
+from clawrl.orchestration.learner import attach_learning
 from clawrl.run_lock import RunDirBusy, RunDirLock
 from clawrl.sessions import SessionLinker
 from clawrl.store import StoreError, TurnStore

@@ -2,9 +2,11 @@
 
 A micro-batch is one row of concatenated sequences (prompt + response each), positions restarting
 per sequence, with per-token tensors over the *response* tokens only: their targets, advantages,
-masks, rollout logprobs, and the teacher's signal for OPD. ``pack`` splits a step's samples into
-micro-batches of at most ``train.micro_batch_tokens`` tokens (dynamic micro-batches), so the
-number of micro-batches follows the data, not a fixed count.
+masks, rollout logprobs, which signals each token's sample has (a judged reward, a teacher), and
+the teacher's logprobs and top-k where there is one (``Sample.teacher``); the run's method turns them
+into advantages (``clawrl.methods``). ``pack`` splits a step's samples into micro-batches of at most
+``train.micro_batch_tokens`` tokens (dynamic micro-batches), so the number of micro-batches follows
+the data, not a fixed count.
 """
 from __future__ import annotations
 
@@ -92,16 +94,15 @@ def check_sample(s: Sample, vocab_size: int) -> None:
 
 
 def teacher_signal(s: Sample, topk: int) -> tuple[list[float] | None, list | None, list | None]:
-    """(teacher logprobs, top-k ids, top-k logprobs) from ``extra["opd"]``; Nones where absent. A
+    """(teacher logprobs, top-k ids, top-k logprobs) from ``Sample.teacher``; Nones where absent. A
     top-k of another K than ``topk`` (stored under other settings) is not used."""
-    opd = s.extra.get("opd")
-    if not opd:
+    if s.teacher is None:
         return None, None, None
-    teacher = [float(x) for x in opd["teacher_logprobs"]]
+    teacher = [float(x) for x in s.teacher.teacher_logprobs]
     if len(teacher) != len(s.response_ids):
         raise ValueError(f"sample {s.sample_id}: {len(teacher)} teacher logprobs for {len(s.response_ids)} "
                          "response tokens")
-    ids, lps = opd.get("topk_ids"), opd.get("topk_logprobs")
+    ids, lps = s.teacher.topk_ids, s.teacher.topk_logprobs
     if topk <= 0 or not ids or len(ids) != len(teacher) or any(len(row) != topk for row in ids):
         return teacher, None, None
     return teacher, ids, lps
@@ -124,7 +125,7 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         rollout += [float(x) for x in s.rollout_logprobs]
         cu.append(cu[-1] + r)
         lps, k_ids, k_lps = teacher_signal(s, topk)
-        has_rl += [bool(s.extra.get("rl_signal", True))] * r
+        has_rl += [s.rl_signal] * r
         has_opd += [lps is not None] * r
         teacher += lps if lps is not None else [math.nan] * r
         top_ids += k_ids if k_ids is not None else [[0] * topk] * r

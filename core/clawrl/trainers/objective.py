@@ -3,9 +3,10 @@
 Both backends call the same code for everything after the logits, so they can only differ in how
 the logits are computed and where the vocabulary lives. ``VocabOps`` is that difference: full
 logits on one device (``FullLogits``) or a tensor-parallel vocabulary shard (the megatron
-backend's ``ShardLogits``). Everything else -- method advantages (RL, OPD, Combine), the policy
-loss with TIS/IcePop, KL and entropy, the top-k distillation term, the global aggregation
-denominator, and the step's metrics -- lives here once.
+backend's ``ShardLogits``). Everything else -- the policy loss with TIS/IcePop, KL and entropy, the
+top-k distillation term, the global aggregation denominator, and the step's metrics -- lives here
+once. The per-token advantages it trains with come from the run's method
+(``clawrl.methods``: ``Method.advantages``), which also says whether the top-k term applies.
 """
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from typing import Protocol
 import torch
 
 from clawrl.config import ClawrlConfig
-from clawrl.losses import (PolicyLossConfig, aggregate, combine_advantages, kl_penalty, opd_advantages,
-                           policy_loss, token_entropy, token_logprobs, topk_forward_kl, topk_logprobs,
-                           topk_reverse_kl)
+from clawrl.losses import (PolicyLossConfig, aggregate, kl_penalty, policy_loss, token_entropy, token_logprobs,
+                           topk_forward_kl, topk_logprobs, topk_reverse_kl)
 from clawrl.trainers.base import TrainerError
 from clawrl.trainers.batching import MicroBatch
 
@@ -52,9 +52,10 @@ class FullLogits:
 
 
 class Objective:
-    """One run's objective, from ``cfg.train``, ``cfg.method``, ``cfg.opd`` and ``cfg.combine``."""
+    """One run's objective, from ``cfg.train`` and ``cfg.opd``'s top-k settings. ``topk``: K of the
+    teacher's top-k the micro-batches carry (``Method.topk``; 0: no top-k distillation term)."""
 
-    def __init__(self, cfg: ClawrlConfig):
+    def __init__(self, cfg: ClawrlConfig, topk: int):
         train_cfg = cfg.train
         self.train_cfg = train_cfg
         band = tuple(train_cfg.icepop_band) if train_cfg.icepop_band is not None else None
@@ -64,14 +65,8 @@ class Objective:
             dual_clip_c=train_cfg.dual_clip_c, kl_coef=0.0 if train_cfg.kl_in_reward else train_cfg.kl_coef,
             kl_estimator=train_cfg.kl_estimator, entropy_coef=train_cfg.entropy_coef, tis_cap=train_cfg.tis_cap,
             icepop_band=band, aggregation=train_cfg.aggregation)
-        # (w_rl, w_opd) per method
-        self.method_weights = {"rl": (1.0, 0.0), "opd": (0.0, 1.0),
-                               "combine": (cfg.combine.w_rl, cfg.combine.w_opd)}.get(cfg.method)
-        if self.method_weights is None:
-            raise TrainerError(f"unknown method '{cfg.method}'; the trainers train rl, opd and combine")
         opd_cfg = cfg.opd
-        self.topk = opd_cfg.topk if cfg.method != "rl" and opd_cfg.topk_coef > 0 else 0
-        self.topk_coef, self.opd_clip = opd_cfg.topk_coef, opd_cfg.adv_clip
+        self.topk, self.topk_coef = topk, opd_cfg.topk_coef
         if opd_cfg.topk_kl not in TOPK_KL:
             raise TrainerError(f"opd.topk_kl must be one of {', '.join(TOPK_KL)}, not {opd_cfg.topk_kl!r}")
         self.topk_kl = opd_cfg.topk_kl
@@ -79,27 +74,6 @@ class Objective:
     @property
     def needs_reference(self) -> bool:
         return self.train_cfg.kl_coef > 0
-
-    def apply_method_advantages(self, batches: list[MicroBatch]) -> dict:
-        """Per-token advantages for ``cfg.method``, in place: ``advantages`` becomes
-        ``w_rl * A_rl + w_opd * A_opd`` and ``loss_mask`` drops tokens of samples with no signal."""
-        w_rl, w_opd = self.method_weights
-        counts = {"rl": 0, "opd": 0, "both": 0}
-        opd_sum, opd_tokens = 0.0, 0.0
-        for mb in batches:
-            has_rl, has_opd = mb.has_rl & (w_rl > 0), mb.has_opd & (w_opd > 0)
-            a_opd = opd_advantages(mb.teacher_logprobs, mb.rollout_logprobs, mb.loss_mask, clip=self.opd_clip)
-            mb.advantages, trained = combine_advantages(mb.advantages, a_opd, w_rl, w_opd, has_rl, has_opd)
-            mb.loss_mask = mb.loss_mask * trained.to(mb.loss_mask.dtype)
-            opd_mask = mb.loss_mask * has_opd.to(mb.loss_mask.dtype)
-            opd_sum += float((a_opd * opd_mask).sum())
-            opd_tokens += float(opd_mask.sum())
-            first = mb.cu_seqlens[:-1]  # one token per sequence (responses are never empty)
-            for rl, opd in zip(has_rl[first].tolist(), has_opd[first].tolist()):
-                if rl or opd:
-                    counts["both" if rl and opd else "rl" if rl else "opd"] += 1
-        return {"samples_rl_only": counts["rl"], "samples_opd_only": counts["opd"], "samples_both": counts["both"],
-                "opd_advantage_mean": opd_sum / opd_tokens if opd_tokens else 0.0, "opd_tokens": opd_tokens}
 
     def loss(self, ops: VocabOps, mb: MicroBatch, old: torch.Tensor, ref: torch.Tensor | None,
              denominator: float) -> tuple[torch.Tensor, dict[str, float]]:

@@ -24,28 +24,17 @@ One ``train_step`` is one optimizer step on a list of samples:
 4. A non-finite loss or gradient skips the step (no optimizer step, no new version); after
    ``train.max_bad_steps`` in a row the trainer sets ``paused_reason``.
 
-Advantages by method (``cfg.method``): ``rl`` trains each sample's scalar advantage; ``opd`` and
-``combine`` add on-policy distillation from ``Sample.extra["opd"]`` (the teacher's logprobs of the
-sampled tokens under the hinted prompt, ``clawrl.teacher``):
-
-- ``A_opd = clamp(teacher_logprobs - rollout_logprobs, +-opd.adv_clip)`` per token. The student side is
-  the *rollout* logprobs, not the trainer's recomputed pi_old: both sides then come from the same
-  engine and numerics (bf16 serving vs fp32 training on GPU), so the gap is the hint's effect alone;
-  the rollout/trainer mismatch is the PPO ratio's business (TIS/IcePop), as for RL. The teacher scores
-  at temperature 1, so the gap is exact for turns served at temperature 1 (the OpenAI default).
-- ``combine_advantages``: ``A = w_rl * A_rl + w_opd * A_opd`` (``opd``: 0 and 1; ``combine``:
-  ``combine.w_rl``, ``combine.w_opd``). A sample with a judged reward (``extra["rl_signal"]``, true
-  unless the buffer says otherwise) contributes the RL term, one with teacher logprobs the OPD term,
-  one with both, both; tokens with neither are dropped from the loss mask (no zero-advantage
-  dilution). The result goes through the same PPO clip as RL advantages.
-- With ``opd.topk > 0`` and ``opd.topk_coef > 0``, ``opd.topk_coef`` times a top-k KL between the
-  student and the teacher's top-k distribution (K bins plus the tail; on temperature-1 logits like the
-  teacher's) is added over the OPD samples' tokens, aggregated with the same global denominator.
-  ``opd.topk_kl=reverse`` is ``topk_distill_loss`` (mode-seeking; its gradient on a token is scaled by
-  the student's own probability of it, so it cannot raise a token the student never says);
-  ``forward`` is KL(teacher || student), which pulls the student onto what the teacher would say
-  (on the embedded model it taught the never-sampled opener "Sure!", but only at learning rates
-  that also broke the rest of the reply: BENCHMARKS.md, "Methods compared").
+Per-token advantages come from the run's method (``cfg.method``, ``clawrl.methods``): ``rl`` trains
+each sample's scalar advantage, ``opd`` the teacher's logprob gap on the sampled tokens under the
+hinted prompt (``Sample.teacher``), ``combine`` both (``clawrl.methods.signals`` explains the rule).
+When the method carries the teacher's top-k (``Method.topk``: ``opd.topk > 0`` and ``opd.topk_coef >
+0``), ``opd.topk_coef`` times a top-k KL between the student and the teacher's top-k distribution (K
+bins plus the tail; on temperature-1 logits like the teacher's) is added over the OPD samples' tokens,
+aggregated with the same global denominator. ``opd.topk_kl=reverse`` is ``topk_distill_loss``
+(mode-seeking; its gradient on a token is scaled by the student's own probability of it, so it cannot
+raise a token the student never says); ``forward`` is KL(teacher || student), which pulls the student
+onto what the teacher would say (on the embedded model it taught the never-sampled opener "Sure!", but
+only at learning rates that also broke the rest of the reply: BENCHMARKS.md, "Methods compared").
 """
 from __future__ import annotations
 
@@ -61,6 +50,7 @@ import torch
 from clawrl.config import ClawrlConfig
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
 from clawrl.losses import aggregation_denominator, token_entropy, token_logprobs
+from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
 from clawrl.trainers.batching import MicroBatch, build_micro_batch, check_sample, pack, sample_metrics
@@ -103,7 +93,8 @@ class TorchTrainer(Trainer):
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
-        self.objective = Objective(cfg)
+        self.method = load_method(cfg)
+        self.objective = Objective(cfg, topk=self.method.topk)
         self.step = 0
         self.bad_steps = 0
         self.paused_reason = None
@@ -181,8 +172,8 @@ class TorchTrainer(Trainer):
         train_cfg, mode = self.train_cfg, self.objective.loss_cfg.aggregation
         batches = [build_micro_batch([samples[i] for i in g], self.device, self.objective.topk)
                    for g in pack(samples, train_cfg.micro_batch_tokens)]
-        opd_metrics = self.objective.apply_method_advantages(batches)
-        metrics = {**sample_metrics(samples, weight_version, batches), **opd_metrics}
+        method_metrics = self.method.advantages(batches)
+        metrics = {**sample_metrics(samples, weight_version, batches), **method_metrics}
         denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in batches)
         if denominator <= 0:
             return StepResult(False, metrics, "no_trainable_tokens")

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from clawrl.config import ClawrlConfig
-from clawrl.samples import Sample
+from clawrl.methods.registry import load_method
+from clawrl.samples import Sample, TeacherSignal
 
 # The bounds: logprobs within 1e-5 absolute, gradients within 1e-4 relative (to the largest).
 LOGPROB_ATOL = 1e-5
@@ -94,11 +95,11 @@ def synthetic_batch(vocab: int, n: int = 6, seed: int = 0, max_len: int = 24, pa
             extra={"temperature": [1.0, 0.7, 1.3][i % 3]}))
         if i % 2 == 0:
             ids = [rng.sample(range(vocab), topk) for _ in range(r)]
-            out[-1].extra["opd"] = {
-                "teacher_logprobs": [-rng.uniform(0.1, 4.0) for _ in range(r)],
-                "topk_ids": ids if topk else None,
-                "topk_logprobs": [sorted((-rng.uniform(0.5, 5.0) for _ in range(topk)), reverse=True)
-                                  for _ in range(r)] if topk else None}
+            out[-1].teacher = TeacherSignal(
+                teacher_logprobs=[-rng.uniform(0.1, 4.0) for _ in range(r)],
+                topk_ids=ids if topk else None,
+                topk_logprobs=[sorted((-rng.uniform(0.5, 5.0) for _ in range(topk)), reverse=True)
+                               for _ in range(r)] if topk else None)
     return out
 
 
@@ -207,7 +208,7 @@ def check_parallel(cfg: ClawrlConfig, model_path: str, world: int | None = None)
     import json
 
     pad_id = json.loads((Path(model_path) / "config.json").read_text()).get("pad_token_id")
-    topk = cfg.opd.topk if cfg.method != "rl" and cfg.opd.topk_coef > 0 else 0
+    topk = load_method(cfg).topk
     samples = synthetic_batch(read_arch(model_path).vocab, seed=cfg.seed, pad_id=pad_id, topk=topk)
     ref = run_torch(cfg, model_path, samples)
     meg = run_megatron(cfg, model_path, samples, world)

@@ -9,7 +9,8 @@ One train step, for a batch of samples that every rank sees whole:
 
 1. Every rank packs the whole batch the same way: the samples are dealt to data-parallel ranks
    (balanced by tokens), then each rank's share is packed into micro-batches of at most
-   ``train.micro_batch_tokens`` tokens. Method advantages, metrics and the aggregation denominator
+   ``train.micro_batch_tokens`` tokens. The method's advantages (``cfg.method``, built on every rank
+   from the config: ``clawrl.methods``), metrics and the aggregation denominator
    are computed over the whole batch, so they are identical everywhere and equal the torch
    backend's.
 2. A forward-only pass through megatron's pipeline schedule gives pi_old (and the reference) on
@@ -35,6 +36,7 @@ from clawrl.config import ClawrlConfig
 from clawrl.losses import aggregation_denominator
 from clawrl.losses.vocab_parallel import (vocab_parallel_token_entropy, vocab_parallel_token_logprobs,
                                           vocab_parallel_topk_logprobs)
+from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.batching import MicroBatch, build_micro_batch, check_sample, pack, sample_metrics
 from clawrl.trainers.megatron import convert
@@ -122,7 +124,8 @@ class MegatronRanks:
         self.te = layer_spec_kind() == "transformer-engine"
         self.gpt = self._load_gpt(model_path)
         self.ref_gpt = None
-        self.objective = Objective(cfg)
+        self.method = load_method(cfg)
+        self.objective = Objective(cfg, topk=self.method.topk)
         if self.objective.needs_reference:
             # Full fine-tuning moves every weight: the KL reference is a frozen copy of the start.
             self.ref_gpt = self._load_gpt(model_path).eval().requires_grad_(False)
@@ -270,8 +273,8 @@ class MegatronRanks:
         mode = self.objective.loss_cfg.aggregation
         per_rank = self._batches(samples)
         everything = [mb for bs in per_rank for mb in bs]
-        opd_metrics = self.objective.apply_method_advantages(everything)  # also sets advantages and masks
-        metrics = {**sample_metrics(samples, weight_version, everything), **opd_metrics,
+        method_metrics = self.method.advantages(everything)  # sets advantages and masks, over the whole batch
+        metrics = {**sample_metrics(samples, weight_version, everything), **method_metrics,
                    "micro_batches": max(len(bs) for bs in per_rank)}
         denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in everything)
         if denominator <= 0:

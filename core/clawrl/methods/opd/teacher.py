@@ -32,7 +32,7 @@ Use (the orchestrator)::
     worker.start()                                   # an asyncio task; worker.notify() wakes it
     ...
     batch = buffer.take_batch(...)
-    opd.attach(batch)                                # sample.extra["opd"] for scored turns
+    opd.attach(batch)                                # Sample.teacher for scored turns
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from clawrl.config import OpdConfig
 from clawrl.engines.base import ContextLengthExceeded, Engine, ScoreResult
 from clawrl.judges.base import JudgeInput
 from clawrl.judges.hints import HintJudge, HintVerdict
-from clawrl.samples import Sample
+from clawrl.samples import Sample, TeacherSignal
 from clawrl.store import TurnStore, pack, unpack
 from clawrl.workers import PollingWorker
 
@@ -253,9 +253,9 @@ class OpdStore:
         return d
 
     def attach(self, samples: Sequence[Sample]) -> int:
-        """Put each scored turn's teacher signal in ``sample.extra["opd"]``: hint, teacher_logprobs
-        (one per response token), topk_ids/topk_logprobs (``[T][K]`` or None), weight_version.
-        Samples without a scored hint get nothing. Returns how many got it."""
+        """Put each scored turn's teacher signal on its sample (``Sample.teacher``): teacher logprobs
+        (one per response token), top-k ids and logprobs (``[T][K]`` or None), the hint, the teacher
+        and its weight version. Samples without a scored hint get nothing. Returns how many got it."""
         attached = 0
         for s in samples:
             rec = self.get(s.turn_id)
@@ -264,8 +264,9 @@ class OpdStore:
             if len(rec["teacher_logprobs"]) != len(s.response_ids):
                 raise ValueError(f"turn {s.turn_id}: {len(rec['teacher_logprobs'])} teacher logprobs for "
                                  f"{len(s.response_ids)} response tokens")
-            s.extra["opd"] = {k: rec[k] for k in ("hint", "teacher_logprobs", "topk_ids", "topk_logprobs",
-                                                  "weight_version", "teacher")}
+            s.teacher = TeacherSignal(teacher_logprobs=rec["teacher_logprobs"], topk_ids=rec["topk_ids"],
+                                      topk_logprobs=rec["topk_logprobs"], hint=rec["hint"], teacher=rec["teacher"],
+                                      weight_version=rec["weight_version"])
             attached += 1
         return attached
 
