@@ -9,7 +9,7 @@ The inputs are plain numbers (``step_inputs``): token ids, rollout logprobs, rew
 logprobs and top-k, and which signals a sample has. ``to_samples`` turns them into the trainer's
 samples the way the code of the day expects; it is the one place that changes with the seam.
 
-Record again (only when the expected numbers are meant to change):
+Record again (only when the expected numbers are meant to change; ``run`` uses one thread):
     python3 tests/method_parity.py --record
 """
 from __future__ import annotations
@@ -85,7 +85,28 @@ def _numbers(metrics: dict) -> dict:
 
 
 def run(model_dir: Path, method: str, backend: str) -> list[dict]:
-    """Three train steps; per step the metrics, and (torch) the per-token advantages trained on."""
+    """Three train steps; per step the metrics, and (torch) the per-token advantages trained on.
+
+    One CPU thread, in this process and in megatron's ranks (they inherit OMP_NUM_THREADS), as when
+    the numbers were recorded: a float32 reduction split over two threads rounds differently (1e-6)."""
+    import os
+
+    import torch
+
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return _run(model_dir, method, backend)
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+
+
+def _run(model_dir: Path, method: str, backend: str) -> list[dict]:
     from clawrl.config import compose
     from clawrl.trainers import make_trainer
 
