@@ -315,8 +315,9 @@ class DemoConfig:
 
 @dataclass(frozen=True)
 class ClawrlConfig:
-    method: str = option("rl", "Personal-agent method or environment: rl | opd | combine (set by each method "
-                         "directory's config.yaml).", nonempty=True)
+    method: str = option("rl", "How samples train: rl | opd | combine, or a Method subclass by path, "
+                         "dir/file.py:ClassName (clawrl.methods; set by each method directory's config.yaml).",
+                         nonempty=True)
     run_dir: str = option("runs/default", "Everything a run writes: the SQLite store, checkpoints, logs.",
                           nonempty=True)
     seed: int = option(0, "Seed for LoRA adapter init, the SGLang runtime, model-judge votes and the demo.")
