@@ -51,6 +51,7 @@ async def main(args) -> None:
     import uvicorn
 
     from clawrl.config import compose
+    from clawrl.embedded.build import resolve_model
     from clawrl.engines import make_engine
     from clawrl.gateway.app import create_app
     from clawrl.orchestration.learner import attach_learning
@@ -59,8 +60,8 @@ async def main(args) -> None:
     from clawrl.store import TurnStore
 
     run_dir = tempfile.mkdtemp(prefix="bench-cycle-")
-    cfg = compose([f"run_dir={run_dir}", "train.batch_size=1", "train.save_every=1000", "logging.wandb.mode=disabled",
-                   "logging.level=WARNING", *args.overrides])
+    cfg = resolve_model(compose([f"run_dir={run_dir}", "train.batch_size=1", "train.save_every=1000",
+                                 "logging.wandb.mode=disabled", "logging.level=WARNING", *args.overrides]))
     t_load = time.perf_counter()
     engine = make_engine(cfg)
     store = TurnStore(cfg.run_dir)

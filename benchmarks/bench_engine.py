@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from clawrl.config import EngineConfig
+from clawrl.config import EngineConfig, compose
+from clawrl.embedded.build import resolve_model
 from clawrl.engines.base import SamplingParams
 from clawrl.engines.loading import load_model
 from clawrl.engines.torch_engine import TorchEngine
@@ -97,7 +98,8 @@ async def prefill(eng: TorchEngine, prompt: list[int]) -> tuple[float, int]:
 
 
 async def main_async(args) -> None:
-    lm = load_model(args.model)
+    model = resolve_model(compose([f"model.path={args.model}"] if args.model else [])).model
+    lm = load_model(model.path, name=model.name)
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = lm.tokenizer

@@ -25,6 +25,7 @@ import httpx
 import torch
 
 from clawrl.config import compose
+from clawrl.embedded.build import resolve_model
 from clawrl.engines.base import SamplingParams
 from clawrl.engines.loading import load_model
 from clawrl.engines.torch_engine import TorchEngine
@@ -128,9 +129,10 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     run_dir = tempfile.mkdtemp(prefix="bench-gateway-")
-    cfg = compose([f"run_dir={run_dir}", f"engine.max_batch_size={max(32, *args.streams)}",
-                   f"server.max_queue={max(args.streams)}"])
-    loaded = load_model(args.model, device="cpu")
+    cfg = resolve_model(compose([f"run_dir={run_dir}", f"engine.max_batch_size={max(32, *args.streams)}",
+                                 f"server.max_queue={max(args.streams)}",
+                                 *([f"model.path={args.model}"] if args.model else [])]))
+    loaded = load_model(cfg.model.path, device="cpu", name=cfg.model.name)
     engine = TorchEngine(loaded, cfg.engine)
     store = TurnStore(run_dir)
     app = create_app(cfg, engine, SessionLinker(store, cfg.sessions.idle_timeout_s))

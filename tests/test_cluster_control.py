@@ -16,10 +16,11 @@ from multiprocessing.connection import Client
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from clawrl.cluster.control import ClusterError, ControlServer
 from clawrl.cluster.launch import start_trainer_ranks
-from clawrl.cluster.probe import ClusterProbe
+from clawrl.cluster.rank_probe import ClusterProbe
 from clawrl.config import compose
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -31,21 +32,21 @@ class FaultyProbe(ClusterProbe):
     """The probe, plus commands that fail on one chosen rank (built in the rank processes)."""
 
     def fail_on(self, rank: int, word: str = "boom") -> str:
-        if self.dist.get_rank() == rank:
+        if dist.get_rank() == rank:
             raise ValueError(f"{word} on rank {rank}")
         return "fine"
 
     def crash_on(self, rank: int) -> None:
-        if self.dist.get_rank() == rank:
+        if dist.get_rank() == rank:
             print(f"rank {rank} going down", flush=True)
             os._exit(3)
-        self.dist.barrier()
+        dist.barrier()
 
     def digests(self, payload) -> list[str]:
         """What every rank received, as a hash, gathered."""
         mine = hashlib.sha256(pickle.dumps(payload)).hexdigest()
-        everyone = [None] * self.dist.get_world_size()
-        self.dist.all_gather_object(everyone, mine)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
         return everyone
 
 
@@ -137,7 +138,7 @@ DRIVER = textwrap.dedent("""
     import json, sys, time
     from clawrl.cluster.launch import start_trainer_ranks
     from clawrl.config import compose
-    ranks = start_trainer_ranks(compose(sys.argv[1:]), "clawrl.cluster.probe:ClusterProbe")
+    ranks = start_trainer_ranks(compose(sys.argv[1:]), "clawrl.cluster.rank_probe:ClusterProbe")
     ranks.wait_ready()
     print(json.dumps({"agent": ranks.processes.proc.pid, "ranks": [r["pid"] for r in ranks.call("info")]}), flush=True)
     time.sleep(600)

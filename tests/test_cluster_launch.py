@@ -15,6 +15,7 @@ import pytest
 from clawrl.cluster.control import ClusterError
 from clawrl.cluster.launch import check_master, read_node_env, run_worker_node, start_trainer_ranks
 from clawrl.cluster.layout import check_layout, describe_layout, read_hf_config
+from clawrl.cluster.probe import PROGRAM
 from clawrl.config import ConfigError, compose
 
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "CLAWRL_CLUSTER_KEY")
@@ -59,6 +60,11 @@ def test_tiny_model_layouts(tiny_model_dir):
     assert describe_layout(2, 2, 8, nnodes=2) == "tp=2 pp=2 dp=2: 8 trainer ranks on 2 nodes x 4"
 
 
+def test_an_unresolved_model_path_is_refused_not_built():
+    with pytest.raises(ConfigError, match=r"^model.path is not resolved: the entry point must resolve it"):
+        read_hf_config(None)
+
+
 @pytest.mark.parametrize("vars, message", [
     ({"NNODES": "two"}, "NNODES='two' is not an integer"),
     ({"NNODES": 2, "NODE_RANK": 2, "MASTER_ADDR": "127.0.0.1"}, "NODE_RANK=2 is out of range for NNODES=2 (0..1)"),
@@ -95,13 +101,13 @@ def test_node_0_must_own_master_addr_and_its_port():
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "192.0.2.1"])  # a closed port; TEST-NET (no route or no answer)
-def test_unreachable_master_addr_fails_within_the_timeout_naming_it(addr, tmp_path):
+def test_unreachable_master_addr_fails_within_the_timeout_naming_it(addr, tmp_path, tiny_model_dir):
     port = closed_port()
-    cfg = compose([f"run_dir={tmp_path}", "cluster.timeout_s=2"])
+    cfg = compose([f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "cluster.timeout_s=2"])
     env = launch_env(NNODES=2, NODE_RANK=1, MASTER_ADDR=addr, MASTER_PORT=port)
     started = time.monotonic()
     with pytest.raises(ConfigError) as e:
-        run_worker_node(cfg, "clawrl.cluster.probe:ClusterProbe", env)
+        run_worker_node(cfg, PROGRAM, env)
     took = time.monotonic() - started
     assert str(e.value).startswith(f"MASTER_ADDR {addr}:{port} unreachable after 2 s") and "\n" not in str(e.value)
     assert 2 <= took < 8
@@ -119,7 +125,7 @@ def test_two_nodes_on_loopback_form_one_world(tmp_path, tiny_model_dir):
     ranks = None
     try:
         cfg = compose([f"run_dir={tmp_path / 'node0'}", *overrides])
-        ranks = start_trainer_ranks(cfg, "clawrl.cluster.probe:ClusterProbe", launch_env(NODE_RANK=0, **common))
+        ranks = start_trainer_ranks(cfg, PROGRAM, launch_env(NODE_RANK=0, **common))
         assert ranks.wait_ready()["world_size"] == 2
         assert (ranks.node.node_rank, ranks.node.world_size, ranks.node.sync_port) == (0, 2, port + 2)
         written = compose(yaml_path=str(tmp_path / "node0" / "cluster" / "config-node0.yaml"))

@@ -425,14 +425,14 @@ def test_shutdown_engine_refuses_new_requests(loaded):
     run(go())
 
 
-def test_sglang_backend_without_sglang_is_a_clear_error():
+def test_sglang_backend_without_sglang_is_a_clear_error(model_dirs):
     import dataclasses
 
     from clawrl.config import ConfigError, compose
     from clawrl.engines import make_engine
 
     with pytest.raises(EngineError, match="^SGLang is not installed; pip install sglang"):
-        make_engine(compose(["engine.backend=sglang"]))
+        make_engine(compose(["engine.backend=sglang", f"model.path={model_dirs[0]}"]))
     with pytest.raises(ConfigError, match="engine.backend='vllm': must be one of torch, sglang"):
         compose(["engine.backend=vllm"])
     # a config built in code skips composition: make_engine still refuses the name itself

@@ -7,7 +7,9 @@ import shutil
 
 import pytest
 
-from clawrl.engines.loading import EMBEDDED_NAME, ModelLoadError, load_model
+from clawrl.config import compose
+from clawrl.embedded import build
+from clawrl.engines.loading import ModelLoadError, load_model
 from engine_testing import make_model_dir
 
 
@@ -37,12 +39,32 @@ def test_good_directory_loads_in_eval_mode_with_eos_and_context(good_dir):
     assert load_model(str(good_dir), name="served-as").name == "served-as"
 
 
-def test_no_path_loads_the_embedded_model_as_clawrl_tiny(good_dir, monkeypatch):
-    import clawrl.embedded.build as build
-
+def test_no_model_path_resolves_to_the_embedded_model_served_as_clawrl_tiny(good_dir, monkeypatch):
     monkeypatch.setattr(build, "default_model_path", lambda: good_dir)
-    lm = load_model(None)
-    assert lm.name == EMBEDDED_NAME and lm.path == str(good_dir)
+    cfg = compose()
+    resolved = build.resolve_model(cfg)
+    assert (resolved.model.path, resolved.model.name) == (str(good_dir), "clawrl-tiny")
+    assert cfg.model.path is None  # a copy: the composed config is left as it was
+    assert load_model(resolved.model.path, name=resolved.model.name).name == "clawrl-tiny"
+    assert build.resolve_model(compose(["model.name=mine"])).model.name == "mine"
+
+
+def test_a_given_model_path_is_left_alone_and_nothing_is_built(good_dir, monkeypatch):
+    def refuse():
+        raise AssertionError("a configured model.path must not build the embedded model")
+
+    monkeypatch.setattr(build, "default_model_path", refuse)
+    cfg = compose([f"model.path={good_dir}"])
+    assert build.resolve_model(cfg) is cfg
+
+
+def test_loading_refuses_an_unresolved_path_instead_of_building_a_model(monkeypatch):
+    def refuse():
+        raise AssertionError("loading must never build the embedded model")
+
+    monkeypatch.setattr(build, "default_model_path", refuse)
+    with pytest.raises(ModelLoadError, match=r"^model.path is not resolved: the entry point must resolve it"):
+        load_model(None)
 
 
 def test_missing_path_and_file_path_are_refused(tmp_path):

@@ -13,8 +13,14 @@ import asyncio
 import os
 import sys
 
+import httpx
+
+from clawrl.config import compose
+from clawrl.embedded.build import resolve_model
+from clawrl.engines import make_engine
 from clawrl.engines.base import EngineError, SamplingParams
 from clawrl.errors import CliError
+from clawrl.gateway.auth import parse_keys
 
 API_KEY_ENV = "CLAWRL_API_KEY"
 PROBE_TIMEOUT_S = 1.0  # a server on loopback answers /v1/models in milliseconds
@@ -45,8 +51,6 @@ def _base_url(url: str) -> str:
 def server_answers(base_url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """True if an HTTP server answers ``GET /v1/models`` at ``base_url`` (any status: a 401 is a
     server that wants a key, which the chat request then reports)."""
-    import httpx
-
     try:
         httpx.get(base_url + "/v1/models", timeout=timeout_s)
     except httpx.HTTPError:
@@ -55,8 +59,6 @@ def server_answers(base_url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
 
 
 def _api_key(args, server) -> str | None:
-    from clawrl.gateway.auth import parse_keys
-
     configured = parse_keys(server.api_key)
     return args.api_key or os.environ.get(API_KEY_ENV) or (configured[0] if configured else None)
 
@@ -80,8 +82,6 @@ def _answer(response, base_url: str) -> dict:
 def remote_reply(base_url: str, api_key: str | None, message: str, max_tokens: int, temperature: float,
                  seed: int) -> tuple[str, str, str | None]:
     """Ask the server at ``base_url``: (reply, model id, system_fingerprint). Errors are CliError."""
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with httpx.Client(base_url=base_url, headers=headers, timeout=REQUEST_TIMEOUT_S) as client:
@@ -104,8 +104,6 @@ def remote_reply(base_url: str, api_key: str | None, message: str, max_tokens: i
 
 
 def chat_cli(args) -> int:
-    from clawrl.config import compose
-
     if args.max_tokens < 1:
         raise CliError("--max-tokens must be at least 1")
     if args.temperature < 0:
@@ -126,10 +124,8 @@ def chat_cli(args) -> int:
 
 def _local_reply(cfg, args, missed_url: str | None) -> int:
     """Load the configured model here and answer; ``missed_url``: the server that did not answer."""
-    from clawrl.engines import make_engine
-
     try:
-        engine = make_engine(cfg)
+        engine = make_engine(resolve_model(cfg))
         name = engine.model_info().name
         where = f"no server at {missed_url}; answering" if missed_url else "answering"
         print(f"clawrl: {where} with {name} loaded in this process (base weights, not the trained ones)",

@@ -11,14 +11,12 @@ from clawrl.config import ConfigError
 
 
 def read_hf_config(path: str | None) -> tuple[dict, str]:
-    """``config.json`` of the HF model directory ``path`` (None: the embedded tiny model) and the
-    model's display name."""
+    """``config.json`` of the HF model directory ``path`` and the model's display name. ``path`` is
+    resolved by the entry point (``clawrl.embedded.build.resolve_model``); None is refused."""
     if path is None:
-        from clawrl.embedded.build import default_model_path
-
-        root = Path(default_model_path())
-    else:
-        root = Path(path).expanduser()
+        raise ConfigError("model.path is not resolved: the entry point must resolve it before checking a layout "
+                          "(clawrl.embedded.build.resolve_model)")
+    root = Path(path).expanduser()
     cfg_file = root / "config.json"
     try:
         hf_config = json.loads(cfg_file.read_text())

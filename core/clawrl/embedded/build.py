@@ -1,7 +1,9 @@
 """Build the embedded default model: corpus, tokenizer, pretraining, all on a plain CPU.
 
 clawrl must work offline with nothing to download, so it trains its own small chat model
-(``clawrl model build``; ``default_model_path()`` builds it on first use). The shape was chosen by
+(``clawrl model build``; ``default_model_path()`` builds it on first use). No ``model.path`` means
+this model: ``resolve_model(cfg)`` decides that, once, in each entry point before any engine or
+trainer is made; engines and trainers only ever see a directory. The shape was chosen by
 measurement on a 2-core CPU: under a few minutes of training a tiny Qwen3 (hidden 128, 2 layers,
 0.4M parameters beside the 8192x128 tied embedding) beats a 4M one because it sees more tokens.
 Training runs a fixed number of steps, not a fixed time, so a seed always gives byte-identical
@@ -19,6 +21,7 @@ a 2.4k-token system prompt; the held-out accuracy rises steeply between 600 and 
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -32,6 +35,21 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+import tokenizers
+import torch
+import torch.nn.functional as F
+import transformers
+from tqdm import tqdm
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+from clawrl.config import ClawrlConfig
+from clawrl.embedded.corpus import chat_pieces, long_chat, short_chat
+from clawrl.embedded.english import english_paragraphs
+from clawrl.embedded.evaluate import evaluate_addition
+from clawrl.embedded.tokenizer import ENDOFTEXT, IM_END, render_chat, save_tokenizer, train_tokenizer
+from clawrl.errors import CliError
+from clawrl.paths import data_dir
 
 MODEL_NAME = "clawrl-tiny"
 DEFAULT_STEPS = 900  # calibrated: about 4 minutes for the whole build on 2 idle cores (0.23 s a step)
@@ -58,8 +76,6 @@ def recipe_hash() -> str:
 
 
 def _cache_dir(seed: int, steps: int) -> Path:
-    from clawrl.paths import data_dir
-
     name = f"{MODEL_NAME}-seed{seed}" + ("" if steps == DEFAULT_STEPS else f"-steps{steps}") + f"-{recipe_hash()}"
     return data_dir() / "models" / name
 
@@ -73,6 +89,16 @@ def default_model_path(build_if_missing: bool = True) -> Path:
         raise FileNotFoundError(f"the embedded model is not built yet ({path}); run `clawrl model build`")
     print(f"clawrl: building the embedded model {MODEL_NAME} into {path} (a few minutes, once)", file=sys.stderr)
     return build_model()
+
+
+def resolve_model(cfg: ClawrlConfig) -> ClawrlConfig:
+    """``cfg`` with the model it serves and trains resolved to a directory: unchanged when
+    ``model.path`` is set; otherwise the embedded model (``default_model_path``, built on first use),
+    served as ``clawrl-tiny`` unless ``model.name`` names it. A copy: the config is not changed."""
+    if cfg.model.path is not None:
+        return cfg
+    model = dataclasses.replace(cfg.model, path=str(default_model_path()), name=cfg.model.name or MODEL_NAME)
+    return dataclasses.replace(cfg, model=model)
 
 
 @contextmanager
@@ -117,10 +143,6 @@ def build_model(seed: int = 0, steps: int | None = None, out: str | Path | None 
 
 
 def _build_into(out: Path, seed: int, steps: int) -> None:
-    import torch
-
-    from clawrl.embedded.evaluate import evaluate_addition
-
     t0 = time.time()
     threads = torch.get_num_threads()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -141,20 +163,12 @@ def _build_into(out: Path, seed: int, steps: int) -> None:
 
 
 def _versions() -> dict:
-    import tokenizers
-    import torch
-    import transformers
-
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
 def build_tokenizer(seed: int = 0):
     """The embedded tokenizer for ``seed``: trained on the corpus's short chats plus stdlib English."""
-    from clawrl.embedded.corpus import short_chat
-    from clawrl.embedded.english import english_paragraphs
-    from clawrl.embedded.tokenizer import render_chat, train_tokenizer
-
     rng = random.Random(f"tokenizer-{seed}")
     chats = (short_chat(rng) for _ in range(TOKENIZER_CHATS))
     texts = [render_chat(c.messages, c.tools) for c in chats]
@@ -164,10 +178,6 @@ def build_tokenizer(seed: int = 0):
 def _token_stream(tok, chats):
     """(ids, trained) tensors for each chat of the batches in ``chats``. Pieces are encoded one by
     one, as the engine will see them: a prompt ending in ``<|im_start|>assistant\n``, then replies."""
-    import torch
-
-    from clawrl.embedded.corpus import chat_pieces
-
     for chat_batch in chats:
         pieces = [chat_pieces(c) for c in chat_batch]
         flat = [t for p in pieces for t, _ in p]
@@ -183,8 +193,6 @@ def _token_stream(tok, chats):
 
 def _rows(stream, length: int):
     """Pack the stream into rows of ``length`` tokens (chats cut at row ends)."""
-    import torch
-
     ids_buf, mask_buf, n = [], [], 0
     for ids, mask in stream:
         ids_buf.append(ids)
@@ -197,9 +205,6 @@ def _rows(stream, length: int):
 
 
 def _chat_batches(seed: int, kind: str):
-    from clawrl.embedded.corpus import long_chat, short_chat
-    from clawrl.embedded.english import english_paragraphs
-
     rng = random.Random(f"{kind}-{seed}")
     paragraphs = english_paragraphs()
     while True:
@@ -211,8 +216,6 @@ def _chat_batches(seed: int, kind: str):
 
 def model_config(vocab_size: int, eos_id: int, pad_id: int):
     """The tiny Qwen3 shape (0.8M parameters beside the embeddings)."""
-    from transformers import Qwen3Config
-
     return Qwen3Config(
         vocab_size=vocab_size, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         head_dim=32, intermediate_size=384, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
@@ -229,13 +232,6 @@ def _lr(step: int, steps: int) -> float:
 
 
 def _train_model(tok, seed: int, steps: int):
-    import torch
-    import torch.nn.functional as F
-    from tqdm import tqdm
-    from transformers import Qwen3ForCausalLM
-
-    from clawrl.embedded.tokenizer import ENDOFTEXT, IM_END
-
     torch.manual_seed(seed)
     config = model_config(tok.get_vocab_size(), tok.token_to_id(IM_END), tok.token_to_id(ENDOFTEXT))
     config._attn_implementation = "sdpa"
@@ -269,10 +265,6 @@ def _train_model(tok, seed: int, steps: int):
 
 
 def _save(model, tok, out: Path) -> None:
-    from transformers import GenerationConfig
-
-    from clawrl.embedded.tokenizer import ENDOFTEXT, IM_END, save_tokenizer
-
     model.save_pretrained(str(out), safe_serialization=True)
     eos = [tok.token_to_id(IM_END), tok.token_to_id(ENDOFTEXT)]
     GenerationConfig(eos_token_id=eos, pad_token_id=tok.token_to_id(ENDOFTEXT), do_sample=False).save_pretrained(str(out))
@@ -281,8 +273,6 @@ def _save(model, tok, out: Path) -> None:
 
 def build_cli(args) -> int:
     """``clawrl model build [--seed N] [--steps N] [--out DIR] [--force]``."""
-    from clawrl.cli import CliError
-
     if args.steps is not None and args.steps < 1:
         raise CliError("--steps must be at least 1")
     try:

@@ -18,6 +18,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from clawrl.embedded.tokenizer import IM_END, render_chat
+
 MAX_OPERAND = 99
 
 
@@ -354,8 +356,6 @@ def chat_pieces(chat: Chat) -> list[tuple[str, bool]]:
     through its ``<|im_end|>``, exactly the tokens the model generates after the template's
     ``<|im_start|>assistant\\n``; everything else is context. Rendering prefixes with the real
     template (rather than re-implementing it) keeps training and serving formats identical."""
-    from clawrl.embedded.tokenizer import IM_END, render_chat
-
     pieces: list[tuple[str, bool]] = []
     done = 0  # characters of the full rendering already cut into pieces
     for i, m in enumerate(chat.messages):

@@ -15,6 +15,8 @@ import re
 import sysconfig
 from pathlib import Path
 
+from pydoc_data.topics import topics
+
 _DOCSTRING = re.compile(r'"""(.*?)"""', re.S)
 _COMMENT_BLOCK = re.compile(r"(?:^[ \t]*# [^\n]*\n)+", re.M)
 # Test suites and the IDE are mostly code and odd strings, not prose.
@@ -40,8 +42,6 @@ def _source_paragraphs(src: str):
 
 
 def _all_paragraphs():
-    from pydoc_data.topics import topics
-
     for key in sorted(topics):
         yield from re.split(r"\n\s*\n", topics[key])
     for path in _stdlib_files():

@@ -10,6 +10,11 @@ import random
 import re
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from clawrl.embedded.corpus import ADDITION_QUESTIONS, sample_pair
+
 
 def _last_int(text: str) -> int | None:
     nums = re.findall(r"-?\d+", text)
@@ -20,11 +25,6 @@ def evaluate_addition(model_dir: str | Path, n: int = 100, seed: int = 0, system
                       batch_size: int = 50) -> float:
     """Fraction of ``n`` held-out additions answered with the right number. ``system_prompt``
     (e.g. a few thousand tokens of instructions) is put before each question when given."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from clawrl.embedded.corpus import ADDITION_QUESTIONS, sample_pair
-
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from transformers.utils.chat_template_utils import render_jinja_template
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -128,8 +130,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
 def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template, eos
     ``<|im_end|>`` and pad ``<|endoftext|>``) so ``AutoTokenizer.from_pretrained`` loads it."""
-    from transformers import PreTrainedTokenizerFast
-
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -146,8 +146,6 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None
 def render_chat(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> str:
     """The chat template applied to ``messages`` (what ``apply_chat_template(tokenize=False)`` gives),
     without needing a saved tokenizer: the corpus renders its training chats with it."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
     rendered, _ = render_jinja_template(
         conversations=[messages], tools=tools, chat_template=CHAT_TEMPLATE, add_generation_prompt=add_generation_prompt
     )

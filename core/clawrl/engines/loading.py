@@ -1,9 +1,11 @@
-"""Load an HF causal-LM directory (or the embedded tiny model) for serving.
+"""Load an HF causal-LM directory for serving.
 
 Every way a model directory can be unusable is checked up front and reported as one line naming
 the culprit (missing path, no config, unknown architecture, no chat template, a corrupt weights
 file), because the user meets these errors at ``clawrl serve`` / ``clawrl chat`` time and a
-transformers traceback tells them nothing.
+transformers traceback tells them nothing. The directory is always given: the entry point resolves
+``model.path`` (no path: the embedded model, ``clawrl.embedded.build.resolve_model``) before any
+engine is made, so loading never picks or builds a model.
 """
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_NAME = "clawrl-tiny"
 
 
 class ModelLoadError(Exception):
@@ -61,14 +64,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def load_model(path: str | None, device: str = "auto", dtype: str = "auto", name: str | None = None) -> LoadedModel:
-    """Load ``path`` (None: the embedded tiny chat model, built on first use) for serving."""
+def require_path(path: str | None) -> str:
+    """``path``, or a one-line ModelLoadError when the model was never resolved to a directory."""
     if path is None:
-        from clawrl.embedded.build import default_model_path
+        raise ModelLoadError("model.path is not resolved: the entry point must resolve it before making an engine "
+                             "(clawrl.embedded.build.resolve_model)")
+    return path
 
-        path = str(default_model_path())
-        name = name or EMBEDDED_NAME
-    root = Path(path).expanduser()
+
+def load_model(path: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> LoadedModel:
+    """Load the model directory ``path`` for serving, as ``name`` (default: the directory's name)."""
+    root = Path(require_path(path)).expanduser()
     if not root.exists():
         raise ModelLoadError(f"model path {root} does not exist")
     if not root.is_dir():
@@ -82,8 +88,6 @@ def load_model(path: str | None, device: str = "auto", dtype: str = "auto", name
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    from transformers import AutoModelForCausalLM
-
     try:
         model = AutoModelForCausalLM.from_pretrained(str(root), dtype=dt)
     except Exception as e:  # transformers raises many types; the user needs the first line
@@ -109,9 +113,6 @@ def _load_config(root: Path):
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if not model_type:
         raise ModelLoadError(f"{root / 'config.json'} has no model_type; unsupported architecture")
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
     if model_type not in CONFIG_MAPPING_NAMES:
         raise ModelLoadError(f"unsupported architecture: model_type '{model_type}' is unknown to transformers")
     try:
@@ -121,8 +122,6 @@ def _load_config(root: Path):
 
 
 def _causal_lm_architecture(config, root: Path) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     model_type = config.model_type
     declared = list(getattr(config, "architectures", None) or [])
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -134,8 +133,6 @@ def _causal_lm_architecture(config, root: Path) -> str:
 
 
 def _load_tokenizer(root: Path):
-    from transformers import AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(str(root))
     except Exception as e:

@@ -6,12 +6,12 @@ nodes when the cluster has room), starts one ``EngineActor`` in each bundle and 
 ``RayEngine``: the gateway, judges and weight sync use it exactly like a local TorchEngine.
 
 Each actor builds its TorchEngine in its own process on the node where it landed, through
-``make_engine`` with ``cluster.ray`` off, so it is the same engine the single-process path serves.
+``make_local_engine``, so it is the same engine the single-process path serves.
 Tokens stream back through Ray streaming generators, one object per chunk, as they are sampled.
 
 Requirements on a real cluster:
-- the model directory the driver resolves (``model.path``, or the embedded default, which is
-  built into the driver's local CLAWRL_HOME cache) must exist at the same path on every node
+- the model directory the driver serves (``model.path`` as the entry point resolved it: the
+  embedded default is built into the driver's local CLAWRL_HOME cache) must exist at the same path on every node
   that may host an engine, and on the driver, which loads the tokenizer from it;
 - clawrl and its dependencies must be importable on every node (the same environment
   everywhere, or a Ray runtime_env that ships it).
@@ -22,22 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
+from typing import AsyncIterator, Mapping, Sequence
 
 import torch
 
+from clawrl.config import ClawrlConfig
 from clawrl.engines.base import (
     AbortingStream, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams, ScoreResult, TokenChunk,
     check_generate_request, check_score_request,
 )
-
-if TYPE_CHECKING:
-    from clawrl.config import ClawrlConfig
+from clawrl.engines.loading import ModelLoadError, _load_tokenizer, require_path
+from clawrl.engines.local import make_local_engine
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class EngineActor:
     a model that cannot load raises its own one-line error to the driver instead of a dead actor.
     """
 
-    def __init__(self, cfg: "ClawrlConfig"):
+    def __init__(self, cfg: ClawrlConfig):
         self.cfg = cfg
         self.engine: Engine | None = None
 
@@ -78,9 +79,7 @@ class EngineActor:
         """Build the engine here; returns this node's id and ip, and what it serves."""
         import ray
 
-        from clawrl.engines import make_engine
-
-        self.engine = make_engine(self.cfg)
+        self.engine = make_local_engine(self.cfg)
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), self.engine.model_info()
 
     async def start(self) -> None:
@@ -331,14 +330,12 @@ def _one_line(e: BaseException) -> str:
 # ---------------------------------------------------------------------- placement
 
 
-def make_ray_engine(cfg: "ClawrlConfig") -> RayEngine:
+def make_ray_engine(cfg: ClawrlConfig) -> RayEngine:
     """Place ``cluster.engines`` TorchEngines with Ray and return their client (see the module doc).
 
     Every step that can fail says why in one line: Ray missing, the address unreachable, the
     resources missing (after ``cluster.timeout_s``), or the model failing to load on a node.
     """
-    from clawrl.engines.loading import EMBEDDED_NAME, ModelLoadError, _load_tokenizer
-
     cluster = cfg.cluster
     if cluster.engines < 1:
         raise EngineError(f"cluster.engines must be at least 1, got {cluster.engines}")
@@ -349,12 +346,8 @@ def make_ray_engine(cfg: "ClawrlConfig") -> RayEngine:
                           "when engines are placed with Ray")
     ray = _import_ray()
 
-    # The driver resolves the model once, so every engine serves the same directory and name.
-    path, name = cfg.model.path, cfg.model.name
-    if path is None:
-        from clawrl.embedded.build import default_model_path
-
-        path, name = str(default_model_path()), name or EMBEDDED_NAME
+    # Every engine serves the directory the driver sees, under the same name.
+    path, name = require_path(cfg.model.path), cfg.model.name
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
         raise ModelLoadError(f"model path {root} is not a directory on this machine (the driver)")
@@ -440,8 +433,6 @@ def _check_reachable(target: str, address: str, timeout_s: float) -> None:
 def place_bundles(engines: int, gpus: float, timeout_s: float):
     """A SPREAD placement group of ``engines`` bundles of {CPU: 1, GPU: gpus}, ready, or a one-line
     error naming what the cluster lacks (the group is removed, so nothing stays reserved)."""
-    import math
-
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 

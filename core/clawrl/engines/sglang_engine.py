@@ -16,10 +16,13 @@ import uuid
 from typing import AsyncIterator, Mapping, Sequence
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
+from clawrl.config import ClawrlConfig
 from clawrl.engines.base import (
     ContextLengthExceeded, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk,
 )
+from clawrl.engines.loading import ModelLoadError, require_path
 
 INSTALL_HINT = "SGLang is not installed; pip install sglang (GPU only), or use engine.backend=torch"
 
@@ -33,17 +36,9 @@ def _import_sglang():
 
 
 class SGLangEngine(Engine):
-    def __init__(self, cfg):
+    def __init__(self, cfg: ClawrlConfig):
         sgl = _import_sglang()
-        from clawrl.engines.loading import EMBEDDED_NAME, ModelLoadError
-
-        path = cfg.model.path
-        if path is None:
-            from clawrl.embedded.build import default_model_path
-
-            path = str(default_model_path())
-        from transformers import AutoConfig, AutoTokenizer
-
+        path = require_path(cfg.model.path)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             hf_cfg = AutoConfig.from_pretrained(path)
@@ -58,7 +53,7 @@ class SGLangEngine(Engine):
         self.model = None  # the weights live in SGLang's worker process
         self.max_context = cfg.engine.max_context or int(hf_cfg.max_position_embeddings)
         self.vocab_size = int(hf_cfg.vocab_size)
-        self.name = cfg.model.name or (EMBEDDED_NAME if cfg.model.path is None else path.rstrip("/").split("/")[-1])
+        self.name = cfg.model.name or path.rstrip("/").split("/")[-1]
         self.path = path
         self.architecture = (getattr(hf_cfg, "architectures", None) or [hf_cfg.model_type])[0]
         eos = hf_cfg.eos_token_id

@@ -17,17 +17,22 @@ import socket
 
 import uvicorn
 
+from clawrl.cluster.control import ClusterError
+from clawrl.cluster.launch import read_node_env, run_worker_node
 from clawrl.config import compose
+from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.engines.base import EngineError
 from clawrl.errors import CliError
 from clawrl.gateway.app import create_app
 from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
+from clawrl.logs import setup_logging
 from clawrl.methods.registry import check_method
 from clawrl.orchestration.learner import attach_learning
 from clawrl.run_lock import RunDirBusy, RunDirLock
 from clawrl.sessions import SessionLinker
 from clawrl.store import StoreError, TurnStore
+from clawrl.trainers.megatron.trainer import PROGRAM
 
 log = logging.getLogger(__name__)
 
@@ -72,23 +77,13 @@ def provider_snippet(base_url: str, model: str, context_window: int, max_tokens:
 
 def _is_driver_node(cfg) -> bool:
     """NODE_RANK 0 (or no multi-node launch) runs the gateway, engine and learner."""
-    from clawrl.cluster.launch import read_node_env
-
     return read_node_env(cfg).is_driver
 
 
 def _serve_trainer_ranks_only(cfg) -> int:
     """NODE_RANK > 0 of a multi-node megatron run: this node's trainer ranks, no gateway. Blocks
-    until the driver on node 0 shuts the ranks down."""
-    import dataclasses
-
-    from clawrl.cluster import ClusterError, run_worker_node
-    from clawrl.trainers.megatron.trainer import PROGRAM
-
-    if cfg.model.path is None:  # the embedded default: built here too (deterministic, cached)
-        from clawrl.embedded.build import default_model_path
-
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(default_model_path())))
+    until the driver on node 0 shuts the ranks down. ``cfg.model.path`` is resolved: the embedded
+    default is built here too (deterministic, cached)."""
     print(f"clawrl: NODE_RANK={os.environ.get('NODE_RANK')}: running this node's megatron trainer ranks "
           "(the gateway runs on NODE_RANK=0)", flush=True)
     try:
@@ -101,10 +96,9 @@ def _serve_trainer_ranks_only(cfg) -> int:
 def serve_cli(args) -> int:
     cfg = compose(args.overrides, args.config)
     check_method(cfg.method)
-    from clawrl.logs import setup_logging
     setup_logging(cfg.logging.level)  # clawrl at logging.level, libraries (httpx, uvicorn.access, ...) at WARNING
     if cfg.trainer.backend == "megatron" and cfg.train.enabled and not _is_driver_node(cfg):
-        return _serve_trainer_ranks_only(cfg)
+        return _serve_trainer_ranks_only(resolve_model(cfg))
     try:
         check_server_auth(cfg.server)
     except AuthConfigError as e:
@@ -117,7 +111,7 @@ def serve_cli(args) -> int:
     try:
         sock = bind_socket(cfg.server.host, cfg.server.port)
         try:
-            _serve_on(sock, cfg)
+            _serve_on(sock, resolve_model(cfg))  # after binding: a port in use fails before a model build
         finally:
             sock.close()
     finally:

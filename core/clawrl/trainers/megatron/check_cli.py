@@ -10,15 +10,16 @@ from __future__ import annotations
 import sys
 import time
 
+import torch
+
+from clawrl.cluster.layout import check_layout, read_hf_config
+from clawrl.config import compose
+from clawrl.embedded.build import resolve_model
 from clawrl.errors import CliError
+from clawrl.trainers.megatron.parity import check_parallel
 
 
 def check_parallel_cli(args) -> int:
-    import torch
-
-    from clawrl.cluster.layout import check_layout, read_hf_config
-    from clawrl.config import compose
-
     overrides = list(args.overrides)
     if not any(o.startswith(("cluster.tp=", "cluster.pp=")) for o in overrides):
         overrides.append("cluster.tp=2")
@@ -27,11 +28,8 @@ def check_parallel_cli(args) -> int:
         import megatron.core  # noqa: F401
     except ImportError:
         raise CliError("check-parallel needs megatron-core: pip install 'clawrl[megatron]'") from None
+    cfg = resolve_model(cfg)
     model_path = cfg.model.path
-    if model_path is None:
-        from clawrl.embedded.build import default_model_path
-
-        model_path = str(default_model_path())
     tp, pp = cfg.cluster.tp, cfg.cluster.pp
     world = max(cfg.cluster.procs_per_node, tp * pp)
     hf_config, name = read_hf_config(model_path)
@@ -39,8 +37,6 @@ def check_parallel_cli(args) -> int:
     if torch.cuda.is_available() and world > torch.cuda.device_count():
         raise CliError(f"{world} ranks need {world} GPUs, this machine has {torch.cuda.device_count()}; "
                        "run with CUDA_VISIBLE_DEVICES= to check the layout on CPU (gloo)")
-    from clawrl.trainers.megatron.parity import check_parallel
-
     started = time.perf_counter()
     print(f"clawrl: checking tp={tp} pp={pp} on {world} local ranks against the torch backend ...", flush=True)
     report = check_parallel(cfg, model_path, world)
