@@ -5,7 +5,8 @@ megatron; the engine is not one of its ranks and must not become one, or every m
 would wait for it. So the sender (trainer rank 0, group rank 0) and the receiving engine process
 (group rank 1; further engines would be 2, 3, ...) form a separate group: a ``TCPStore`` hosted by
 the driver, and a ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) built directly on it,
-never registered with torch.distributed, used only through its own ``broadcast``.
+never registered with torch.distributed, used only through its own ``broadcast``
+(``clawrl.cluster.groups`` makes the store and the group).
 
 Generations. The store lives as long as the driver; each group lives under its own store prefix,
 ``weight_sync/<generation>``. A healthy group serves push after push (an NCCL communicator costs
@@ -43,15 +44,15 @@ pending broadcast too), and nothing reaches the engine, which keeps serving the 
 from __future__ import annotations
 
 import json
-import os
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from clawrl.cluster import groups
 
 MB = 1 << 20  # cluster.bucket_mb counts MiB
 SENDER_RANK = 0
@@ -105,32 +106,9 @@ class SyncEndpoint:
 def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """The driver's store for every weight-sync group; port 0 takes a free one (read ``.port``)."""
     try:
-        return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        return groups.host_store(host, port, timeout_s)
     except Exception as e:
         raise WeightSyncError(f"cannot host the weight-sync store on {host}:{port}: {one_line(e)}") from e
-
-
-_nccl_env_lock = threading.Lock()
-
-
-@contextmanager
-def _nccl_env_for_this_group():
-    """ProcessGroupNCCL reads these when built. Blocking wait makes ``wait(timeout)`` block the
-    CPU and raise on timeout; clean-up-only error handling aborts the communicator on a timeout
-    instead of killing the process, which here is the serving driver. Set only around this
-    group's constructor, so the trainer's megatron groups keep their own settings."""
-    wanted = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-    with _nccl_env_lock:
-        saved = {k: os.environ.get(k) for k in wanted}
-        os.environ.update(wanted)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def join_group(endpoint: SyncEndpoint, rank: int, store: dist.Store | None = None) -> dist.Backend:
@@ -138,15 +116,9 @@ def join_group(endpoint: SyncEndpoint, rank: int, store: dist.Store | None = Non
     otherwise a client connection to it. Blocks until every rank has joined, at most the timeout."""
     try:
         if store is None:
-            store = dist.TCPStore(endpoint.host, endpoint.port, None, False, endpoint.timeout)
-        prefixed = dist.PrefixStore(endpoint.prefix, store)
-        if endpoint.backend == "gloo":
-            return dist.ProcessGroupGloo(prefixed, rank, endpoint.world_size, endpoint.timeout)
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-        options._timeout = endpoint.timeout
-        with _nccl_env_for_this_group():
-            return dist.ProcessGroupNCCL(prefixed, rank, endpoint.world_size, options)
+            store = groups.join_store(endpoint.host, endpoint.port, endpoint.timeout_s)
+        return groups.standalone_group(store, endpoint.prefix, rank, endpoint.world_size, endpoint.backend,
+                                       endpoint.timeout_s)
     except Exception as e:
         raise WeightSyncError(f"could not join the {endpoint.describe()} as rank {rank} within "
                               f"{endpoint.timeout_s:g} s: {one_line(e)}") from e
@@ -295,8 +267,6 @@ class ServedWeights:
     @classmethod
     def of_model_dir(cls, path: str) -> "ServedWeights":
         """From the HF config alone: the model is built on the meta device, no weights read."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         return cls({k: tuple(v.shape) for k, v in model.state_dict().items()},

@@ -19,13 +19,14 @@ import pickle
 import sys
 import threading
 import time
-from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 
 import torch
 import torch.distributed as dist
 
 from clawrl.cluster.control import KEY_ENV, SHUTDOWN
+from clawrl.cluster.groups import command_group, init_world
+from clawrl.config import compose
 
 log = logging.getLogger("clawrl.cluster.rank")
 
@@ -44,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     _exit_with_agent()
-    from clawrl.config import compose
-
     cfg = compose(yaml_path=args.config)
     timeout_s = cfg.cluster.timeout_s
     conn = None
@@ -56,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         conn = _connect(args.driver, timeout_s)
         if conn is None:
             return 1
-    control = _init_process_groups(timeout_s)
+    # the program's world (NCCL with CUDA, gloo without) and the gloo group for commands
+    init_world(int(os.environ.get("LOCAL_RANK", "0")), timeout_s)
+    control = command_group(timeout_s)
     program, error = _build(args.program, cfg)
     error = _first_failure(control, error, f"building {args.program}")
     if conn is not None:
@@ -109,17 +110,6 @@ def _connect(address: str, timeout_s: float) -> Connection | None:
         except Exception as e:  # AuthenticationError: a different CLAWRL_CLUSTER_KEY
             log.error("the driver at %s refused this rank: %s (is CLAWRL_CLUSTER_KEY the same?)", address, e)
             return None
-
-
-def _init_process_groups(timeout_s: float) -> dist.ProcessGroup:
-    """The program's default world (NCCL with CUDA, gloo without) and the gloo group for commands."""
-    timeout = timedelta(seconds=timeout_s)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def _build(spec: str, cfg):
