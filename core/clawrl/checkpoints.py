@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from clawrl.config import TrainConfig
 from clawrl.errors import CliError
@@ -168,8 +169,6 @@ class CheckpointStore:
 
     def save(self, trainer: Trainer, weight_version: int, buffer_state: dict | None = None) -> Path:
         """Write ``step_<trainer.step>`` atomically, then prune to the last ``train.keep_last``."""
-        from safetensors.torch import save_file
-
         step = trainer.step
         state = trainer.state_dict()
         weights = {k: v.contiguous() for k, v in state.pop("weights").items()}
@@ -240,8 +239,6 @@ class CheckpointStore:
 
     def load(self, step: int) -> tuple[dict, dict]:
         """``(trainer state with weights, manifest)`` of a verified checkpoint."""
-        from safetensors.torch import load_file
-
         manifest = self.verify(step)
         path = self.path(step)
         weights_file = next((n for n in manifest["files"] if n.endswith(".safetensors")), None)

@@ -12,6 +12,10 @@ import logging
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
+from clawrl.config import ConfigError
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries that log per request, per file or per step at INFO; any other library inherits the
 # root logger's level, which is WARNING too. uvicorn's startup/shutdown lines ("uvicorn.error")
@@ -35,8 +39,6 @@ class _Stderr(logging.StreamHandler):
         super().__init__(sys.stderr)
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
         try:
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:
@@ -64,8 +66,6 @@ def parse_level(level: str) -> int:
     """``logging.level`` (any case) as a logging level number, or ConfigError in one line."""
     number = logging.getLevelName(str(level).upper())
     if not isinstance(number, int):
-        from clawrl.config import ConfigError
-
         raise ConfigError(f"logging.level={level}: use DEBUG, INFO, WARNING or ERROR")
     return number
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from clawrl.config import LoggingConfig
+from clawrl.config import ConfigError, LoggingConfig
 from clawrl.redact import redact_text
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,6 @@ def configure_logging(cfg: LoggingConfig) -> None:
     """Apply ``logging.level`` to clawrl's loggers (and a plain format if nothing is set up)."""
     level = logging.getLevelName(cfg.level.upper())
     if not isinstance(level, int):
-        from clawrl.config import ConfigError
-
         raise ConfigError(f"logging.level={cfg.level}: use DEBUG, INFO, WARNING or ERROR")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("clawrl").setLevel(level)
@@ -117,8 +115,6 @@ class MetricsLogger:
     @staticmethod
     def _resolve_mode(mode: str) -> str:
         if mode not in WANDB_MODES:
-            from clawrl.config import ConfigError
-
             raise ConfigError(f"logging.wandb.mode={mode}: choose one of {', '.join(WANDB_MODES)}")
         if mode == "online" and not wandb_reachable():
             log.warning("logging.wandb.mode=online but api.wandb.ai is unreachable; logging to WandB offline "

@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
+import torch
+
 from clawrl.cluster.control import KEY_ENV, ClusterError, ControlServer, cluster_key
 from clawrl.cluster.layout import check_layout, describe_layout, read_hf_config
 from clawrl.config import ClawrlConfig, ConfigError, to_yaml
@@ -112,8 +114,6 @@ def _int_var(env: Mapping[str, str], name: str, default: int | None, minimum: in
 
 
 def _cuda_devices() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

@@ -20,6 +20,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from clawrl.config import ConfigError
 from clawrl.embedded.corpus import ADDITION_QUESTIONS, sample_pair
 
 
@@ -131,8 +132,6 @@ USERS = {u.name: u for u in (BareAnswerUser(), WorkedAnswerUser(), StudentUser()
 
 
 def make_user(name: str):
-    from clawrl.config import ConfigError
-
     if name not in USERS:
         raise ConfigError(f"unknown demo.user '{name}'; choose one of {', '.join(USERS)}")
     return USERS[name]

@@ -12,6 +12,7 @@ CPU or one GPU) and ``SGLangEngine`` (optional import).
 from __future__ import annotations
 
 import abc
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Mapping, Sequence
 
@@ -234,8 +235,6 @@ class Engine(abc.ABC):
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> GenerateResult:
         """Run one request to completion."""
-        import uuid
-
         rid = request_id or uuid.uuid4().hex
         ids: list[int] = []
         lps: list[float] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import DynamicCache
 
 from clawrl.engines.ragged import Segment
 
@@ -17,8 +18,6 @@ class HFSeqKV:
     """A request's HF cache plus the number of positions it holds."""
 
     def __init__(self, config):
-        from transformers import DynamicCache
-
         self.cache = DynamicCache(config=config)
         self.length = 0
 

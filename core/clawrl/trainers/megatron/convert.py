@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from safetensors import safe_open
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 
@@ -208,8 +209,6 @@ class HFTensors:
     """Lazy access to an HF model directory's safetensors, one tensor at a time."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
         self.dir = Path(model_dir)
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
