@@ -184,3 +184,9 @@ def test_a_second_server_on_a_run_dir_is_refused_while_read_only_commands_work(t
     second = Served(tmp_path, model, free_port())
     second.proc.send_signal(signal.SIGTERM)
     assert second.proc.wait(60) == 0
+
+
+def test_serving_from_an_environment_is_refused_in_one_line_naming_what_works():
+    line = one_line_refusal(run_serve("env.name=tests/guess_number_env.py:GuessNumber"))
+    assert "trains from live chat only" in line and "clawrl.envs.source" in line
+    assert "unknown env.name 'bogus'" in one_line_refusal(run_serve("env.name=bogus"))

@@ -23,6 +23,7 @@ from clawrl.config import compose
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.engines.base import EngineError
+from clawrl.envs import CHAT, env_class
 from clawrl.errors import CliError
 from clawrl.gateway.app import create_app
 from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
@@ -96,6 +97,10 @@ def _serve_trainer_ranks_only(cfg) -> int:
 def serve_cli(args) -> int:
     cfg = compose(args.overrides, args.config)
     check_method(cfg.method)
+    if cfg.env.name != CHAT:
+        env_class(cfg.env.name)  # a bad name or path first, in its own words
+        raise CliError(f"env.name={cfg.env.name}: clawrl serve trains from live chat only so far; environment "
+                       "rollouts are not stored yet and run through clawrl.envs.source (docs/architecture.md)")
     setup_logging(cfg.logging.level)  # clawrl at logging.level, libraries (httpx, uvicorn.access, ...) at WARNING
     if cfg.trainer.backend == "megatron" and cfg.train.enabled and not _is_driver_node(cfg):
         return _serve_trainer_ranks_only(resolve_model(cfg))
