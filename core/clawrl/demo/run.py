@@ -16,6 +16,23 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import uvicorn
+from tqdm import tqdm
+
+from clawrl.config import compose
+from clawrl.demo.evaluation import held_out_questions, preference_rate
+from clawrl.demo.users import ask, correct, make_user
+from clawrl.embedded.build import resolve_model
+from clawrl.engines import make_engine
+from clawrl.errors import CliError
+from clawrl.gateway.app import create_app
+from clawrl.logs import parse_level, setup_logging
+from clawrl.methods.registry import check_method
+from clawrl.orchestration.learner import attach_learning
+from clawrl.orchestration.serve import bind_socket
+from clawrl.sessions import SessionLinker
+from clawrl.store import TurnStore
+
 log = logging.getLogger(__name__)
 
 # Learning settings that make the embedded model learn a preference within ~160 interactions
@@ -23,7 +40,6 @@ log = logging.getLogger(__name__)
 DEMO_DEFAULTS = (
     "server.port=0",
     "train.batch_size=8",
-    "train.lr=1e-4",
     "train.save_every=5",
     "engine.max_batch_size=64",
     "opd.topk=8",  # opd/combine: the teacher's top-8 per token, so distillation also says what to say instead
@@ -45,18 +61,7 @@ class Point:
 
 async def run_demo(cfg) -> list[Point]:
     """Run the whole demo for a composed config; returns the measured points."""
-    import openai
-    import uvicorn
-    from tqdm import tqdm
-
-    from clawrl.demo.evaluation import held_out_questions, preference_rate
-    from clawrl.demo.users import ask, correct, make_user
-    from clawrl.engines import make_engine
-    from clawrl.gateway.app import create_app
-    from clawrl.orchestration.learner import attach_learning
-    from clawrl.orchestration.serve import bind_socket
-    from clawrl.sessions import SessionLinker
-    from clawrl.store import TurnStore
+    import openai  # the demo's simulated users are OpenAI clients (a test extra)
 
     demo = cfg.demo
     user = make_user(demo.user)
@@ -153,24 +158,16 @@ def write_outputs(points: list[Point], cfg, out_dir: Path) -> tuple[Path, Path, 
 
 def demo_cli(args) -> int:
     """``clawrl demo method=rl|opd|combine [key=value ...]``."""
-    from clawrl.cli import CliError
-    from clawrl.config import compose
-    from clawrl.methods.registry import check_method
-
     overrides = list(args.overrides)
     if not any(o.startswith("run_dir=") for o in overrides):
         # A fresh directory per demo: an old run's checkpoint would resume and spoil the curve.
         overrides.append(f"run_dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    cfg = compose([*DEMO_DEFAULTS, *overrides])
+    cfg = resolve_model(compose([*DEMO_DEFAULTS, *overrides]))
     check_method(cfg.method)
     run_dir = Path(cfg.run_dir)
     if (run_dir / "clawrl.sqlite").exists():
         raise CliError(f"run_dir={run_dir} already holds a run; the demo needs a fresh directory")
     demo = cfg.demo
-    if demo.interactions < 1 or demo.eval_every < 1 or demo.eval_prompts < 1 or demo.max_tokens < 1:
-        raise CliError("demo.interactions, demo.eval_every, demo.eval_prompts and demo.max_tokens must be >= 1")
-    from clawrl.logs import parse_level, setup_logging
-
     # The console gets warnings only (all of it at logging.level=DEBUG); the log file everything.
     log_path = run_dir / "demo.log"
     debug = parse_level(cfg.logging.level) <= logging.DEBUG
