@@ -1,4 +1,5 @@
 """The durable turn store: crash safety, exact token arrays, concurrency, relabelling."""
+import re
 import signal
 import sqlite3
 import subprocess
@@ -6,6 +7,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -215,4 +217,22 @@ def test_record_turn_is_cheap_enough_for_the_request_path(tmp_path):
         history.append({"role": "assistant", "content": f"reply {i}"})
     per_turn = (time.perf_counter() - t0) / 20
     assert per_turn < 0.25, f"begin + record took {per_turn * 1000:.0f} ms per turn"
+    store.close()
+
+
+def test_every_table_is_declared_by_the_schema_module_alone():
+    """One owner of the schema: no other core module creates or alters a table."""
+    core = Path(__file__).resolve().parents[1] / "core" / "clawrl"
+    owners = sorted(p.name for p in core.rglob("*.py") if re.search(r"\b(CREATE|ALTER) TABLE\b", p.read_text()))
+    assert owners == ["schema.py"]
+
+
+def test_a_table_set_newer_than_this_clawrl_is_refused(tmp_path):
+    from clawrl.schema import BUFFER, TableSet
+
+    store = TurnStore(tmp_path)
+    store.register(BUFFER)
+    older = TableSet(BUFFER.what, BUFFER.meta_key, BUFFER.migrations[:1])
+    with pytest.raises(ValueError, match="has rollout buffer schema version 3; this clawrl knows 1"):
+        store.register(older)
     store.close()

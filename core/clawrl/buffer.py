@@ -65,8 +65,8 @@ Samples without a reward signal take no part in group statistics or the EMA base
 The buffer stores what a judge decided without depending on the judges: a verdict is anything shaped
 like ``clawrl.judges.base.Verdict`` (:class:`VerdictRecord`).
 
-The buffer has its own schema version (``meta.buffer_schema_version``) so the store's schema and
-its migrations stay the store's own.
+The buffer's tables are declared, with their own version, in ``clawrl.schema`` (the one owner of the
+store's schema and migrations) and brought up to date when a buffer opens the store.
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ import torch
 from clawrl.config import TrainConfig
 from clawrl.losses import GROUP_MODES, RunningBaseline, group_advantages
 from clawrl.samples import Sample
+from clawrl.schema import BUFFER
 from clawrl.store import TurnStore, unpack
 from clawrl.weight_lineage import lag_counter
 
@@ -91,61 +92,7 @@ STATES = ("pending", "judged", "ready", "consumed", "trained", "skipped")
 STALE_POLICIES = ("drop", "importance_weight")
 BASELINES = ("reward", "ema")
 
-_SCHEMA = [
-    # version 1
-    """
-    CREATE TABLE samples (
-        sample_id       INTEGER PRIMARY KEY AUTOINCREMENT,
-        turn_id         INTEGER NOT NULL UNIQUE REFERENCES turns(turn_id),
-        group_id        TEXT NOT NULL,       -- hash of the prompt ids: samples of one prompt form a GRPO group
-        request_key     TEXT NOT NULL,       -- the turn's request key: its sibling choices share it
-        state           TEXT NOT NULL CHECK (state IN ('pending','judged','ready','consumed','trained','skipped')),
-        skip_reason     TEXT,
-        judge_kind      TEXT,
-        verdict         INTEGER,             -- the judge's majority score (also for no_signal)
-        reward          REAL,
-        advantage       REAL,
-        weight_lag      INTEGER,             -- at take time: current version - oldest token's version
-        consumed_version INTEGER,
-        train_step      INTEGER,
-        trained_version INTEGER,
-        requeues        INTEGER NOT NULL DEFAULT 0,
-        created_at      REAL NOT NULL,
-        judged_at       REAL,
-        consumed_at     REAL,
-        done_at         REAL                 -- trained or skipped
-    );
-    CREATE INDEX samples_by_state ON samples (state, sample_id);
-    CREATE INDEX samples_by_group ON samples (group_id, state);
-    CREATE TABLE votes (
-        vote_id    INTEGER PRIMARY KEY AUTOINCREMENT,
-        sample_id  INTEGER NOT NULL REFERENCES samples(sample_id),
-        attempt    INTEGER NOT NULL,         -- 1 + the retry it came from
-        vote_index INTEGER NOT NULL,
-        judge_kind TEXT NOT NULL,
-        score      INTEGER,                  -- NULL: garbage, timeout or error (see rationale)
-        rationale  TEXT NOT NULL,
-        raw        TEXT NOT NULL,
-        at         REAL NOT NULL
-    );
-    CREATE INDEX votes_by_sample ON votes (sample_id);
-    """,
-    # version 2: on-policy distillation
-    """
-    ALTER TABLE samples ADD COLUMN rl_signal INTEGER NOT NULL DEFAULT 1;  -- 0: no judged reward (OPD only)
-    ALTER TABLE samples ADD COLUMN opd_state TEXT;                         -- NULL (unresolved), scored, none, timeout
-    """,
-    # version 3: weights re-served under a new version after a restart (clawrl.weight_lineage)
-    """
-    CREATE TABLE weight_aliases (
-        version INTEGER PRIMARY KEY,         -- the new version number
-        source  INTEGER NOT NULL,            -- the version whose weights it serves again
-        at      REAL NOT NULL
-    );
-    """,
-]
 OPD_OUTCOMES = ("scored", "none", "timeout")
-_META_VERSION = "buffer_schema_version"
 _META_SCAN = "buffer_scan_from"  # every turn below this id is closed and has its sample
 _META_BASELINE = "buffer_baseline"
 
@@ -228,7 +175,7 @@ class RolloutBuffer:
     # --- schema --------------------------------------------------------------------------------
 
     def _migrate(self) -> None:
-        self.store.migrate_tables(_META_VERSION, _SCHEMA, "rollout buffer")
+        self.store.register(BUFFER)
 
     @staticmethod
     def _meta(c, key: str) -> Optional[str]:

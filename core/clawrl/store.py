@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from clawrl.redact import redact_json
+from clawrl.schema import TURNS, TableSet
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,32 @@ class StoreError(RuntimeError):
     """The store cannot be opened or used; the message is one line."""
 
 
+class SchemaTooNew(ValueError):
+    """The store was written by a newer clawrl; the message is one line."""
+
+
+def _migrate(c: sqlite3.Connection, tables: TableSet, path: Path) -> None:
+    """Apply the migrations ``tables`` lacks (its version: ``meta_key`` in ``meta``, or user_version)."""
+    if tables.meta_key is None:
+        version = c.execute("PRAGMA user_version").fetchone()[0]
+    else:
+        row = c.execute("SELECT value FROM meta WHERE key = ?", (tables.meta_key,)).fetchone()
+        version = int(row[0]) if row else 0
+    latest = len(tables.migrations)
+    if version > latest:
+        raise SchemaTooNew(f"{path} has {tables.what} schema version {version}; this clawrl knows {latest}")
+    for i in range(version, latest):
+        for stmt in tables.migrations[i].split(";"):
+            if stmt.strip():
+                c.execute(stmt)
+        log.info("%s tables in %s migrated to schema version %d", tables.what, path, i + 1)
+    if tables.meta_key is None:
+        c.execute(f"PRAGMA user_version = {latest}")
+    else:
+        c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                  (tables.meta_key, str(latest)))
+
+
 class UnknownTurn(KeyError):
     """No turn has this id."""
 
@@ -70,76 +97,6 @@ class UnknownTurn(KeyError):
         return f"no turn with id {self.args[0]}"
 
 
-_SCHEMA_V1 = """
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE sessions (
-    session_id   TEXT PRIMARY KEY,
-    caller_hash  TEXT NOT NULL,
-    user         TEXT,
-    source       TEXT NOT NULL,          -- header | inferred
-    created_at   REAL NOT NULL,
-    last_seen_at REAL NOT NULL
-);
-CREATE TABLE branches (
-    session_id      TEXT NOT NULL REFERENCES sessions(session_id),
-    branch_id       INTEGER NOT NULL,
-    parent_turn_id  INTEGER,             -- the turn this branch continues from (NULL: the session start)
-    sibling_turn_id INTEGER,             -- the turn this branch is an alternative to
-    created_at      REAL NOT NULL,
-    PRIMARY KEY (session_id, branch_id)
-);
-CREATE TABLE turns (
-    turn_id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    session_id       TEXT NOT NULL REFERENCES sessions(session_id),
-    branch_id        INTEGER NOT NULL,
-    parent_turn_id   INTEGER,
-    turn_index       INTEGER NOT NULL,
-    caller_hash      TEXT NOT NULL,
-    link_rule        TEXT NOT NULL,
-    turn_type        TEXT NOT NULL CHECK (turn_type IN ('main', 'side')),
-    type_rule        TEXT NOT NULL,
-    status           TEXT NOT NULL CHECK (status IN ('complete', 'aborted', 'error')),
-    trainable        INTEGER NOT NULL,
-    untrainable_reason TEXT,
-    messages         TEXT NOT NULL,
-    history_len      INTEGER NOT NULL,
-    tools            TEXT,
-    prompt_ids       BLOB,
-    response_ids     BLOB,
-    logprobs         BLOB,
-    weight_versions  BLOB,
-    prompt_tokens    INTEGER NOT NULL,
-    response_tokens  INTEGER NOT NULL,
-    response_text    TEXT NOT NULL,
-    tool_calls       TEXT,
-    tool_parse_error TEXT,
-    finish_reason    TEXT,
-    next_state       TEXT,
-    close_reason     TEXT,
-    created_at       REAL NOT NULL,
-    completed_at     REAL NOT NULL,
-    next_state_at    REAL,
-    request_key      TEXT NOT NULL,
-    reply_key        TEXT
-);
-CREATE INDEX turns_by_session ON turns (session_id, turn_id);
-CREATE INDEX turns_by_request_key ON turns (request_key);
-CREATE INDEX turns_by_reply_key ON turns (reply_key) WHERE reply_key IS NOT NULL;
-CREATE INDEX open_turns ON turns (session_id) WHERE close_reason IS NULL;
-CREATE TABLE corrections (
-    correction_id INTEGER PRIMARY KEY AUTOINCREMENT,
-    turn_id       INTEGER NOT NULL REFERENCES turns(turn_id),
-    old_label     TEXT NOT NULL,
-    new_label     TEXT NOT NULL,
-    actor         TEXT NOT NULL,
-    at            REAL NOT NULL
-);
-"""
-# Index i upgrades a store at schema version i to version i + 1.
-# v2: the temperature the turn's logprobs were taken at, so the trainer recomputes them alike
-_SCHEMA_V2 = "ALTER TABLE turns ADD COLUMN temperature REAL NOT NULL DEFAULT 1.0"
-
-_MIGRATIONS = [_SCHEMA_V1, _SCHEMA_V2]
 
 
 # --- packed token arrays -------------------------------------------------------------------------
@@ -280,22 +237,11 @@ class TurnStore:
                 raise
             conn.execute("COMMIT")
 
-    def migrate_tables(self, meta_key: str, schema: Sequence[str], what: str) -> None:
-        """Bring tables another module keeps in this file (the rollout buffer, the OPD teacher) to the
-        latest of ``schema`` (a list of ';'-separated statement blocks), tracking the version under
-        ``meta_key`` in ``meta`` so each module migrates apart from the store's own schema."""
+    def register(self, tables: TableSet) -> None:
+        """Bring a set of tables another module keeps in this file (``clawrl.schema``: the rollout
+        buffer's, OPD's) to its latest version, in one transaction."""
         with self.transaction() as c:
-            row = c.execute("SELECT value FROM meta WHERE key = ?", (meta_key,)).fetchone()
-            version = int(row[0]) if row else 0
-            if version > len(schema):
-                raise ValueError(f"{self.path} has {what} schema {version}; this clawrl knows {len(schema)}")
-            for i in range(version, len(schema)):
-                for stmt in schema[i].split(";"):
-                    if stmt.strip():
-                        c.execute(stmt)
-                log.info("%s tables in %s migrated to version %d", what, self.path, i + 1)
-            c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                      (meta_key, str(len(schema))))
+            _migrate(c, tables, self.path)
 
     def close(self) -> None:
         with self._conns_lock:
@@ -305,16 +251,10 @@ class TurnStore:
         self._local = threading.local()
 
     def _migrate(self) -> None:
-        with self.transaction() as c:
-            version = c.execute("PRAGMA user_version").fetchone()[0]
-            if version > len(_MIGRATIONS):
-                raise StoreError(f"{self.path} has schema version {version}; this clawrl knows {len(_MIGRATIONS)}")
-            for i in range(version, len(_MIGRATIONS)):
-                for stmt in _MIGRATIONS[i].split(";"):
-                    if stmt.strip():
-                        c.execute(stmt)
-                log.info("turn store %s migrated to schema version %d", self.path, i + 1)
-            c.execute(f"PRAGMA user_version = {len(_MIGRATIONS)}")
+        try:
+            self.register(TURNS)
+        except SchemaTooNew as e:
+            raise StoreError(str(e)) from None
 
     def _meta_salt(self) -> str:
         """A random per-store salt for caller and link hashes, so they cannot be looked up elsewhere."""

@@ -49,6 +49,7 @@ from clawrl.engines.base import ContextLengthExceeded, Engine, ScoreResult
 from clawrl.judges.base import JudgeInput
 from clawrl.judges.hints import HintJudge, HintVerdict
 from clawrl.samples import Sample, TeacherSignal
+from clawrl.schema import OPD
 from clawrl.store import TurnStore, pack, unpack
 from clawrl.workers import PollingWorker
 
@@ -56,31 +57,6 @@ log = logging.getLogger(__name__)
 
 STATES = ("accepted", "rejected", "scored", "failed")
 
-_SCHEMA = [
-    # version 1
-    """
-    CREATE TABLE opd_hints (
-        turn_id         INTEGER PRIMARY KEY REFERENCES turns(turn_id),
-        state           TEXT NOT NULL CHECK (state IN ('accepted','rejected','scored','failed')),
-        reason          TEXT,               -- why rejected (no_hindsight, vote_split, ...) or failed
-        hint            TEXT,
-        support         REAL,               -- consensus of the chosen hint among the accepted votes
-        judge_kind      TEXT NOT NULL,
-        votes           TEXT NOT NULL,      -- JSON: every vote (accept, hint, rationale, raw)
-        teacher         TEXT,               -- opd.teacher: policy or a model path
-        teacher_prompt_ids BLOB,            -- the hinted prompt, as scored
-        teacher_logprobs BLOB,              -- per response token (float64)
-        topk            INTEGER,            -- K of the stored top-k (0: none)
-        topk_ids        BLOB,               -- [T*K] int32, row-major
-        topk_logprobs   BLOB,               -- [T*K] float32, row-major
-        weight_version  INTEGER,            -- the teacher's weight version when it scored
-        judged_at       REAL NOT NULL,
-        scored_at       REAL
-    );
-    CREATE INDEX opd_hints_by_state ON opd_hints (state, turn_id);
-    """,
-]
-_META_VERSION = "opd_schema_version"
 
 
 class TeacherError(RuntimeError):
@@ -154,7 +130,7 @@ class OpdStore:
         self._migrate()
 
     def _migrate(self) -> None:
-        self.store.migrate_tables(_META_VERSION, _SCHEMA, "OPD")
+        self.store.register(OPD)
 
     def unjudged(self, limit: int, exclude: Iterable[int] = ()) -> list[JudgeInput]:
         """Up to ``limit`` closed turns that could train and have no hint verdict yet, oldest first."""

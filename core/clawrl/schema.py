@@ -1,0 +1,171 @@
+"""The one owner of the run store's SQLite schema and its migrations.
+
+Every table in ``run_dir/clawrl.sqlite`` is declared here, as a ``TableSet``: the turn store's own
+tables, the rollout buffer's and OPD's (and, later, the environments' episode tables). Each set has
+its own version, so the modules that use the tables migrate apart from each other: a store opened by
+``clawrl sessions`` holds the turns' tables; the buffer and the OPD method bring their sets up to date
+when they open the store (``TurnStore.register``). A set only ever grows: index i of ``migrations``
+upgrades version i to i + 1, and a store newer than this clawrl is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class TableSet:
+    what: str  # named in logs and errors: "turn store", "rollout buffer", "OPD"
+    meta_key: Optional[str]  # where its version is kept in table ``meta``; None: PRAGMA user_version
+    migrations: tuple[str, ...]  # ';'-separated statement blocks
+
+
+TURNS = TableSet("turn store", None, (
+    # version 1
+    """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE sessions (
+    session_id   TEXT PRIMARY KEY,
+    caller_hash  TEXT NOT NULL,
+    user         TEXT,
+    source       TEXT NOT NULL,          -- header | inferred
+    created_at   REAL NOT NULL,
+    last_seen_at REAL NOT NULL
+);
+CREATE TABLE branches (
+    session_id      TEXT NOT NULL REFERENCES sessions(session_id),
+    branch_id       INTEGER NOT NULL,
+    parent_turn_id  INTEGER,             -- the turn this branch continues from (NULL: the session start)
+    sibling_turn_id INTEGER,             -- the turn this branch is an alternative to
+    created_at      REAL NOT NULL,
+    PRIMARY KEY (session_id, branch_id)
+);
+CREATE TABLE turns (
+    turn_id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    session_id       TEXT NOT NULL REFERENCES sessions(session_id),
+    branch_id        INTEGER NOT NULL,
+    parent_turn_id   INTEGER,
+    turn_index       INTEGER NOT NULL,
+    caller_hash      TEXT NOT NULL,
+    link_rule        TEXT NOT NULL,
+    turn_type        TEXT NOT NULL CHECK (turn_type IN ('main', 'side')),
+    type_rule        TEXT NOT NULL,
+    status           TEXT NOT NULL CHECK (status IN ('complete', 'aborted', 'error')),
+    trainable        INTEGER NOT NULL,
+    untrainable_reason TEXT,
+    messages         TEXT NOT NULL,
+    history_len      INTEGER NOT NULL,
+    tools            TEXT,
+    prompt_ids       BLOB,
+    response_ids     BLOB,
+    logprobs         BLOB,
+    weight_versions  BLOB,
+    prompt_tokens    INTEGER NOT NULL,
+    response_tokens  INTEGER NOT NULL,
+    response_text    TEXT NOT NULL,
+    tool_calls       TEXT,
+    tool_parse_error TEXT,
+    finish_reason    TEXT,
+    next_state       TEXT,
+    close_reason     TEXT,
+    created_at       REAL NOT NULL,
+    completed_at     REAL NOT NULL,
+    next_state_at    REAL,
+    request_key      TEXT NOT NULL,
+    reply_key        TEXT
+);
+CREATE INDEX turns_by_session ON turns (session_id, turn_id);
+CREATE INDEX turns_by_request_key ON turns (request_key);
+CREATE INDEX turns_by_reply_key ON turns (reply_key) WHERE reply_key IS NOT NULL;
+CREATE INDEX open_turns ON turns (session_id) WHERE close_reason IS NULL;
+CREATE TABLE corrections (
+    correction_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    turn_id       INTEGER NOT NULL REFERENCES turns(turn_id),
+    old_label     TEXT NOT NULL,
+    new_label     TEXT NOT NULL,
+    actor         TEXT NOT NULL,
+    at            REAL NOT NULL
+);
+""",
+    # version 2: the temperature the turn's logprobs were taken at, so the trainer recomputes them alike
+    "ALTER TABLE turns ADD COLUMN temperature REAL NOT NULL DEFAULT 1.0",
+))
+
+BUFFER = TableSet("rollout buffer", "buffer_schema_version", (
+    # version 1
+    """
+    CREATE TABLE samples (
+        sample_id       INTEGER PRIMARY KEY AUTOINCREMENT,
+        turn_id         INTEGER NOT NULL UNIQUE REFERENCES turns(turn_id),
+        group_id        TEXT NOT NULL,       -- hash of the prompt ids: samples of one prompt form a GRPO group
+        request_key     TEXT NOT NULL,       -- the turn's request key: its sibling choices share it
+        state           TEXT NOT NULL CHECK (state IN ('pending','judged','ready','consumed','trained','skipped')),
+        skip_reason     TEXT,
+        judge_kind      TEXT,
+        verdict         INTEGER,             -- the judge's majority score (also for no_signal)
+        reward          REAL,
+        advantage       REAL,
+        weight_lag      INTEGER,             -- at take time: current version - oldest token's version
+        consumed_version INTEGER,
+        train_step      INTEGER,
+        trained_version INTEGER,
+        requeues        INTEGER NOT NULL DEFAULT 0,
+        created_at      REAL NOT NULL,
+        judged_at       REAL,
+        consumed_at     REAL,
+        done_at         REAL                 -- trained or skipped
+    );
+    CREATE INDEX samples_by_state ON samples (state, sample_id);
+    CREATE INDEX samples_by_group ON samples (group_id, state);
+    CREATE TABLE votes (
+        vote_id    INTEGER PRIMARY KEY AUTOINCREMENT,
+        sample_id  INTEGER NOT NULL REFERENCES samples(sample_id),
+        attempt    INTEGER NOT NULL,         -- 1 + the retry it came from
+        vote_index INTEGER NOT NULL,
+        judge_kind TEXT NOT NULL,
+        score      INTEGER,                  -- NULL: garbage, timeout or error (see rationale)
+        rationale  TEXT NOT NULL,
+        raw        TEXT NOT NULL,
+        at         REAL NOT NULL
+    );
+    CREATE INDEX votes_by_sample ON votes (sample_id);
+    """,
+    # version 2: on-policy distillation
+    """
+    ALTER TABLE samples ADD COLUMN rl_signal INTEGER NOT NULL DEFAULT 1;  -- 0: no judged reward (OPD only)
+    ALTER TABLE samples ADD COLUMN opd_state TEXT;                         -- NULL (unresolved), scored, none, timeout
+    """,
+    # version 3: weights re-served under a new version after a restart (clawrl.weight_lineage)
+    """
+    CREATE TABLE weight_aliases (
+        version INTEGER PRIMARY KEY,         -- the new version number
+        source  INTEGER NOT NULL,            -- the version whose weights it serves again
+        at      REAL NOT NULL
+    );
+    """,
+))
+
+OPD = TableSet("OPD", "opd_schema_version", (
+    # version 1
+    """
+    CREATE TABLE opd_hints (
+        turn_id         INTEGER PRIMARY KEY REFERENCES turns(turn_id),
+        state           TEXT NOT NULL CHECK (state IN ('accepted','rejected','scored','failed')),
+        reason          TEXT,               -- why rejected (no_hindsight, vote_split, ...) or failed
+        hint            TEXT,
+        support         REAL,               -- consensus of the chosen hint among the accepted votes
+        judge_kind      TEXT NOT NULL,
+        votes           TEXT NOT NULL,      -- JSON: every vote (accept, hint, rationale, raw)
+        teacher         TEXT,               -- opd.teacher: policy or a model path
+        teacher_prompt_ids BLOB,            -- the hinted prompt, as scored
+        teacher_logprobs BLOB,              -- per response token (float64)
+        topk            INTEGER,            -- K of the stored top-k (0: none)
+        topk_ids        BLOB,               -- [T*K] int32, row-major
+        topk_logprobs   BLOB,               -- [T*K] float32, row-major
+        weight_version  INTEGER,            -- the teacher's weight version when it scored
+        judged_at       REAL NOT NULL,
+        scored_at       REAL
+    );
+    CREATE INDEX opd_hints_by_state ON opd_hints (state, turn_id);
+    """,
+))
