@@ -270,5 +270,5 @@ def test_node_1_with_an_unreachable_master_addr_fails_in_one_line_naming_it(mode
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"clawrl: MASTER_ADDR 127.0.0.1:{port} unreachable after 3 s"), lines
-    assert 3 <= took < 10, took
+    assert 3 <= took < 20, took  # cluster.timeout_s, plus clawrl's start (importing torch and transformers)
     assert not (run_dir / "cluster").exists()  # refused before any agent, rank or process group

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from clawrl.chat import chat_cli
+from clawrl.checkpoints import rollback_cli
+from clawrl.config import ClawrlConfig, ConfigError, describe_config
+from clawrl.demo.run import demo_cli
+from clawrl.embedded.build import build_cli
+from clawrl.engines.loading import ModelLoadError
 from clawrl.errors import CliError
+from clawrl.orchestration.serve import serve_cli
+from clawrl.sessions_cli import export_cli, sessions_cli
+from clawrl.trainers.megatron.check_cli import check_parallel_cli
 
 
 DESCRIPTION = "Train a self-hosted LLM agent from its own live conversations."
@@ -22,15 +31,11 @@ class _HelpConfig(argparse.Action):
                          help=help or "list every config key with its type, default and help, then exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from clawrl.config import describe_config
-
         print(describe_config(), end="", flush=True)
         parser.exit(0)
 
 
 def _default_run_dir() -> str:
-    from clawrl.config import ClawrlConfig
-
     return ClawrlConfig().run_dir
 
 
@@ -93,48 +98,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from clawrl.config import ConfigError
-    from clawrl.engines.loading import ModelLoadError
-
+    commands = {"model": build_cli, "chat": chat_cli, "serve": serve_cli, "sessions": sessions_cli, "export": export_cli,
+                "demo": demo_cli, "check-parallel": check_parallel_cli, "rollback": rollback_cli}
     try:
-        if args.cmd == "model":
-            from clawrl.embedded.build import build_cli
-
-            return build_cli(args)
-        if args.cmd == "chat":
-            from clawrl.chat import chat_cli
-
-            return chat_cli(args)
-        if args.cmd == "serve":
-            from clawrl.orchestration.serve import serve_cli
-
-            return serve_cli(args)
-        if args.cmd == "sessions":
-            from clawrl.sessions_cli import sessions_cli
-
-            return sessions_cli(args)
-        if args.cmd == "export":
-            from clawrl.sessions_cli import export_cli
-
-            return export_cli(args)
-        if args.cmd == "demo":
-            from clawrl.demo.run import demo_cli
-
-            return demo_cli(args)
-        if args.cmd == "check-parallel":
-            from clawrl.trainers.megatron.check_cli import check_parallel_cli
-
-            return check_parallel_cli(args)
-        if args.cmd == "rollback":
-            from clawrl.checkpoints import rollback_cli
-
-            return rollback_cli(args)
+        return commands[args.cmd](args)
     except (CliError, ConfigError, ModelLoadError) as e:
         print(f"clawrl: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":
