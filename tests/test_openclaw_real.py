@@ -73,15 +73,15 @@ class ScriptedToolEngine(TorchEngine):
 
 def serve_with_scripted_tool_calls() -> int:
     """``clawrl serve ARGS`` (``sys.argv[1:]``) with :class:`ScriptedToolEngine` as its engine."""
-    import clawrl.engines
     from clawrl.cli import main
     from clawrl.engines.loading import load_model
+    from clawrl.orchestration import serve
 
     def make_engine(cfg):
         m = cfg.model
         return ScriptedToolEngine(load_model(m.path, device=m.device, dtype=m.dtype, name=m.name), cfg.engine)
 
-    clawrl.engines.make_engine = make_engine
+    serve.make_engine = make_engine  # the name serve_cli builds its engine with
     return main(sys.argv[1:])
 
 
