@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clawrl.config import ClawrlConfig
 from clawrl.engines.base import Engine
 from clawrl.samples import Sample
 from clawrl.weight_sync import InProcessWeightSync, WeightTransport
@@ -74,23 +73,3 @@ class Trainer(abc.ABC):
 
     def close(self) -> None:
         """Release what the trainer holds beyond this process (trainer ranks); a no-op here."""
-
-
-def make_trainer(cfg: ClawrlConfig, model_path: str) -> Trainer:
-    """The trainer ``cfg.trainer.backend`` names, training a copy of the model at ``model_path``
-    (the same directory the engine serves, so both start from identical weights)."""
-    backend = cfg.trainer.backend
-    if backend == "torch":
-        from clawrl.trainers.torch_trainer import TorchTrainer
-
-        return TorchTrainer(cfg, model_path)
-    if backend == "megatron":
-        try:
-            import megatron.core  # noqa: F401
-        except ImportError:
-            raise TrainerError("trainer.backend=megatron needs megatron-core: pip install 'clawrl[megatron]' "
-                               "(megatron-core 0.16 to 0.19)") from None
-        from clawrl.trainers.megatron.trainer import MegatronTrainer
-
-        return MegatronTrainer(cfg, model_path)
-    raise TrainerError(f"unknown trainer.backend '{backend}'; choose one of {', '.join(BACKENDS)}")
