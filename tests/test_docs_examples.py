@@ -2,7 +2,6 @@
 source, each one file loaded by path, each training a step."""
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from clawrl.config import compose
@@ -10,6 +9,7 @@ from clawrl.engines import make_engine
 from clawrl.envs.source import make_env_source
 from clawrl.methods.registry import method_class
 from clawrl.trainers import make_trainer
+from test_env_seam import roll_one_group
 from test_trainer import make_samples, model_dir, on_policy  # noqa: F401 (fixture)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
@@ -39,16 +39,7 @@ def test_the_environment_example_rolls_out_a_group_and_trains_a_step(tiny_model_
                    "logging.wandb.mode=disabled", f"env.name={EXAMPLES / 'echo_env.py'}:EchoWord",
                    "env.group_size=2", "env.max_turns=2", "env.max_tokens_per_turn=8"])
     engine = make_engine(cfg)
-    source = make_env_source(cfg, engine)
-
-    async def roll():
-        await engine.start()
-        try:
-            return await source.next_group()
-        finally:
-            await engine.shutdown()
-
-    episodes, samples = asyncio.run(roll())
+    episodes, samples = roll_one_group(engine, make_env_source(cfg, engine))
     assert [e.task.task_id for e in episodes] == ["echo-apple", "echo-apple"]
     assert len({s.group_id for s in samples}) == 1 and all(0.0 <= s.reward <= 1.0 for s in samples)
     trainer = make_trainer(cfg, str(tiny_model_dir))

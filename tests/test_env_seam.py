@@ -30,14 +30,8 @@ class RecordingEngine:
         return await self.engine.generate(prompt_ids, params)
 
 
-def test_a_guess_number_group_trains_one_step_with_exact_tokens(tiny_model_dir):
-    cfg = compose([f"model.path={tiny_model_dir}", "method=rl", "train.lr=1e-3", "engine.threads=1",
-                   "logging.wandb.mode=disabled", f"env.name={ENV}", "env.group_size=2", "env.max_turns=3",
-                   "env.max_tokens_per_turn=6", "seed=3"])
-    engine = make_engine(cfg)
-    source = make_env_source(cfg, engine)
-    recorder = source.engine = RecordingEngine(engine)
-
+def roll_one_group(engine, source):
+    """Start the engine, roll out one group of ``source``, stop the engine."""
     async def roll():
         await engine.start()
         try:
@@ -45,7 +39,17 @@ def test_a_guess_number_group_trains_one_step_with_exact_tokens(tiny_model_dir):
         finally:
             await engine.shutdown()
 
-    episodes, samples = asyncio.run(roll())
+    return asyncio.run(roll())
+
+
+def test_a_guess_number_group_trains_one_step_with_exact_tokens(tiny_model_dir):
+    cfg = compose([f"model.path={tiny_model_dir}", "method=rl", "train.lr=1e-3", "engine.threads=1",
+                   "logging.wandb.mode=disabled", f"env.name={ENV}", "env.group_size=2", "env.max_turns=3",
+                   "env.max_tokens_per_turn=6", "seed=3"])
+    engine = make_engine(cfg)
+    source = make_env_source(cfg, engine)
+    recorder = source.engine = RecordingEngine(engine)
+    episodes, samples = roll_one_group(engine, source)
     # the group: two rollouts of one task, advantages relative to each other
     assert len(samples) == 2 and samples[0].group_id == samples[1].group_id
     assert all(e.task.task_id == "guess-7" for e in episodes)
