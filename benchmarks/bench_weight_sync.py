@@ -38,7 +38,7 @@ async def measure(args, model_dir: str) -> dict:
     from clawrl.engines.base import SamplingParams
     from clawrl.engines.loading import load_model
     from clawrl.engines.torch_engine import TorchEngine
-    from clawrl.trainers import make_trainer
+    from clawrl.trainers.backends import make_trainer
     from clawrl.trainers.megatron.parity import synthetic_batch
     from clawrl.weight_sync import InProcessWeightSync
 

@@ -108,7 +108,7 @@ def run(model_dir: Path, method: str, backend: str) -> list[dict]:
 
 def _run(model_dir: Path, method: str, backend: str) -> list[dict]:
     from clawrl.config import compose
-    from clawrl.trainers import make_trainer
+    from clawrl.trainers.backends import make_trainer
 
     cfg = compose([f"method={method}", f"model.path={model_dir}", *OVERRIDES, *BACKENDS[backend]])
     trainer = make_trainer(cfg, str(model_dir))

@@ -8,7 +8,7 @@ from clawrl.config import compose
 from clawrl.engines import make_engine
 from clawrl.envs.source import make_env_source
 from clawrl.methods.registry import method_class
-from clawrl.trainers import make_trainer
+from clawrl.trainers.backends import make_trainer
 from test_env_seam import roll_one_group
 from test_trainer import make_samples, model_dir, on_policy  # noqa: F401 (fixture)
 

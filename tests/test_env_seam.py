@@ -14,7 +14,7 @@ from clawrl.engines import make_engine
 from clawrl.envs import EnvError, env_class
 from clawrl.envs.source import make_env_source
 from clawrl.envs.tasks import load_tasks
-from clawrl.trainers import make_trainer
+from clawrl.trainers.backends import make_trainer
 
 ENV = str(Path(__file__).with_name("guess_number_env.py")) + ":GuessNumber"
 

@@ -3,6 +3,9 @@
 Every import counts, including those inside function bodies (which Python runs late, and which
 once hid a 26-module loop) and literal ``importlib.import_module`` / ``__import__`` calls. A
 package's ``__init__`` counts as a module of its own, so re-exporting through it is an edge too.
+And importing ``a.b.c`` first runs ``a/__init__`` and ``a/b/__init__``: an import is also an edge to
+each package above its target that the importer is not itself inside (those have started already).
+A loop through such an ``__init__`` fails at run time for whichever module is imported first.
 """
 from __future__ import annotations
 
@@ -41,6 +44,23 @@ def _imported_names(tree: ast.AST, package: str) -> set[str]:
     return names
 
 
+def _packages_above(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def edges(importer: str, imported: set[str], modules: set[str]) -> set[str]:
+    """The modules ``importer`` runs by importing ``imported`` (core modules): each one, and each
+    package ``__init__`` above it that ``importer`` is not inside."""
+    inside = set(_packages_above(importer))
+    out = set()
+    for target in imported:
+        out.add(target)
+        out.update(p for p in _packages_above(target) if p in modules and p not in inside)
+    out.discard(importer)
+    return out
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the core modules it imports (the longest existing prefix of each imported name)."""
     mods = _modules()
@@ -54,7 +74,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = {resolve(n) for n in _imported_names(ast.parse(path.read_text()), package) if n.startswith("clawrl")}
-        graph[name] = {d for d in deps if d and d != name}
+        graph[name] = edges(name, {d for d in deps if d}, set(mods))
     return graph
 
 
@@ -105,6 +125,14 @@ def test_the_loop_finder_finds_a_loop_hidden_in_a_function_body():
     assert _imported_names(tree, "clawrl") >= {"clawrl.b", "clawrl.b.x", "clawrl.c"}
     assert loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert loops({"a": {"b"}, "b": set()}) == []
+
+
+def test_importing_a_submodule_runs_the_init_of_each_package_above_it_first():
+    modules = {"clawrl", "clawrl.m", "clawrl.m.base", "clawrl.t", "clawrl.t.batching"}
+    assert edges("clawrl.m.base", {"clawrl.t.batching"}, modules) == {"clawrl.t.batching", "clawrl.t"}
+    # a module's own packages have started before it runs: no edge back to them
+    assert edges("clawrl.t.batching", {"clawrl.t"}, modules) == {"clawrl.t"}
+    assert edges("clawrl.m", {"clawrl.m.base"}, modules) == {"clawrl.m.base"}
 
 
 def test_core_modules_form_no_import_loop():

@@ -62,7 +62,7 @@ def test_two_rank_tensor_parallel_trainer_streams_weights_into_the_engine(model_
     from clawrl.engines.base import SamplingParams
     from clawrl.engines.loading import load_model
     from clawrl.engines.torch_engine import TorchEngine
-    from clawrl.trainers import make_trainer
+    from clawrl.trainers.backends import make_trainer
     from clawrl.trainers.megatron.convert import read_arch
     from clawrl.trainers.megatron.parity import synthetic_batch
 
@@ -101,7 +101,7 @@ def test_two_rank_tensor_parallel_trainer_streams_weights_into_the_engine(model_
 @pytest.mark.slow
 def test_a_restarted_megatron_trainer_resumes_from_its_checkpoint(model_dir, tmp_path, tp2_config):
     from clawrl.checkpoints import CheckpointStore
-    from clawrl.trainers import make_trainer
+    from clawrl.trainers.backends import make_trainer
     from clawrl.trainers.megatron.convert import read_arch
     from clawrl.trainers.megatron.parity import synthetic_batch
 

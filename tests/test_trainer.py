@@ -15,7 +15,8 @@ from clawrl.engines.base import SamplingParams
 from clawrl.engines.loading import load_model
 from clawrl.engines.torch_engine import TorchEngine
 from clawrl.samples import Sample
-from clawrl.trainers import TrainerError, make_trainer
+from clawrl.trainers.backends import make_trainer
+from clawrl.trainers.base import TrainerError
 from clawrl.trainers.torch_trainer import TorchTrainer, pack
 from engine_testing import make_model_dir
 
