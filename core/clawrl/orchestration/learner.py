@@ -48,7 +48,8 @@ from clawrl.methods.registry import check_method, load_method
 from clawrl.metrics import MetricsLogger
 from clawrl.samples import Sample
 from clawrl.store import TurnStore
-from clawrl.trainers import TrainerError, make_trainer
+from clawrl.trainers import TrainerError
+from clawrl.trainers.backends import make_trainer
 from clawrl.weight_sync import InProcessWeightSync
 
 log = logging.getLogger(__name__)
