@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from clawrl.cluster.groups import init_world
 from clawrl.config import ClawrlConfig
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample, TeacherSignal
@@ -120,11 +121,8 @@ def _rank_main(rank: int, world: int, port: int, cfg: ClawrlConfig, model_path: 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    init_world(rank)
     try:
         from clawrl.trainers.megatron.ranks import MegatronRanks
 

@@ -32,6 +32,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from clawrl.cluster.groups import init_model_parallel
 from clawrl.config import ClawrlConfig
 from clawrl.losses import aggregation_denominator
 from clawrl.losses.vocab_parallel import (vocab_parallel_token_entropy, vocab_parallel_token_logprobs,
@@ -83,8 +84,6 @@ class MegatronRanks:
     bfloat16 with float32 main weights on CUDA)."""
 
     def __init__(self, cfg: ClawrlConfig, model_path: str | None = None, dtype: torch.dtype | None = None):
-        from megatron.core import parallel_state as ps
-
         model_path = model_path or cfg.model.path
         if not model_path:
             raise RuntimeError("MegatronRanks needs a model directory (model.path; the driver resolves the default)")
@@ -99,10 +98,7 @@ class MegatronRanks:
         self.cfg, self.train_cfg = cfg, cfg.train
         cluster = cfg.cluster
         self.arch = convert.read_arch(model_path)
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=cluster.tp,
-                                         pipeline_model_parallel_size=cluster.pp)
-        self.ps = ps
+        self.ps = ps = init_model_parallel(cluster.tp, cluster.pp)
         self.tp, self.pp = cluster.tp, cluster.pp
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
