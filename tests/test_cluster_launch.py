@@ -196,8 +196,9 @@ def test_a_rank_dying_on_node_1_fails_both_nodes_and_node_1_names_it(tmp_path, t
             ranks.call("crash_on", 1)  # node 0 sees only its rank 0's broken collective
         out, _ = worker.communicate(timeout=30)
         assert worker.returncode == 2
-        # the worker's last line (output before it, if any, is the agent's own)
-        assert out.strip().splitlines()[-1].startswith(
+        # the worker's one-line reason; the dying rank's own output may land before or after it
+        reasons = [line for line in out.splitlines() if line.startswith("clawrl: ")]
+        assert len(reasons) == 1 and reasons[0].startswith(
             "clawrl: trainer ranks on node 1 exited with status 1: rank 1 failed (exit code 3): rank 1 going down "
             "(log: "), out
     finally:
