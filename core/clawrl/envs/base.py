@@ -48,7 +48,13 @@ class Task:
 
 
 class Env(abc.ABC):
-    """One episode at a time; make a new instance per concurrent episode."""
+    """One episode at a time; make a new instance per concurrent episode (``from_config``)."""
+
+    @classmethod
+    def from_config(cls, cfg) -> "Env":
+        """A fresh instance for one episode under ``cfg`` (the run's ClawrlConfig). Environments
+        that need settings (sandbox limits, say) override this; the default takes none."""
+        return cls()
 
     @abc.abstractmethod
     async def reset(self, task: Task) -> Observation:
@@ -57,6 +63,17 @@ class Env(abc.ABC):
     @abc.abstractmethod
     async def step(self, action: str) -> StepOutcome:
         """Apply the model's reply and say what follows."""
+
+    async def finish(self) -> Optional[float]:
+        """The reward of an episode the rollout cut short (out of turns) before the environment
+        ended it. Environments that judge the final state (a terminal task's tests) judge it here;
+        None keeps the last reward ``step`` gave."""
+        return None
+
+    def oracle_actions(self) -> Optional[list[str]]:
+        """After ``reset``: the replies of an agent that knows the answer, in order, or None when
+        the task has no oracle. ``clawrl env check`` plays them to prove a task can be solved."""
+        return None
 
     async def close(self) -> None:
         """Release what the episode holds (processes, sandboxes). Called once, also after errors."""

@@ -87,6 +87,9 @@ async def run_episode(engine: Engine, tokenizer, env: Env, task: Task, params: S
                 break
             if turn == max_turns - 1:  # out of turns: the unanswered observation is not part of the episode
                 truncated = True
+                final = await env.finish()
+                if final is not None:
+                    reward = final
                 break
             # what the template puts between the sampled reply and the next assistant reply
             before = _render(tokenizer, messages + [{"role": "assistant", "content": reply}], False)

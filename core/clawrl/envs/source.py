@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+from typing import Callable
 
 import torch
 
@@ -37,15 +38,16 @@ def group_id(task: Task, round_: int) -> str:
 
 
 class EnvSource:
-    """Rolls out complete GRPO groups of ``env_cls`` over ``tasks`` (round-robin), as samples."""
+    """Rolls out complete GRPO groups over ``tasks`` (round-robin), as samples; ``new_env`` makes
+    the environment of one episode."""
 
-    def __init__(self, env_cls: type[Env], tasks: list[Task], engine: Engine, tokenizer, group_size: int,
+    def __init__(self, new_env: Callable[[], Env], tasks: list[Task], engine: Engine, tokenizer, group_size: int,
                  params: SamplingParams, max_turns: int, group_advantage: str = "grpo"):
         if group_size < 1:
             raise EnvError(f"env.group_size must be >= 1, got {group_size}")
         if not tasks:
             raise EnvError("no tasks to roll out")
-        self.env_cls, self.tasks, self.engine, self.tokenizer = env_cls, tasks, engine, tokenizer
+        self.new_env, self.tasks, self.engine, self.tokenizer = new_env, tasks, engine, tokenizer
         self.group_size, self.params, self.max_turns = group_size, params, max_turns
         self.group_advantage = group_advantage
         self._groups = 0  # groups rolled out so far: task = groups % len(tasks), round = groups // len(tasks)
@@ -58,7 +60,7 @@ class EnvSource:
         task = self.tasks[index]
         seed = (self.params.seed or 0) + self.group_size * self._groups
         episodes = await asyncio.gather(*(
-            run_episode(self.engine, self.tokenizer, self.env_cls(), task,
+            run_episode(self.engine, self.tokenizer, self.new_env(), task,
                         dataclasses.replace(self.params, seed=seed + k), self.max_turns)
             for k in range(self.group_size)))
         gid = group_id(task, round_)
@@ -78,5 +80,5 @@ def make_env_source(cfg: ClawrlConfig, engine: Engine) -> EnvSource:
     cls = env_class(cfg.env.name)
     params = SamplingParams(max_new_tokens=cfg.env.max_tokens_per_turn, temperature=cfg.env.temperature,
                             seed=cfg.seed)
-    return EnvSource(cls, load_tasks(cfg.env.tasks, cfg.env.split, cls), engine, engine.tokenizer,
+    return EnvSource(lambda: cls.from_config(cfg), load_tasks(cfg.env.tasks, cfg.env.split, cls), engine, engine.tokenizer,
                      cfg.env.group_size, params, cfg.env.max_turns, cfg.train.group_advantage)
