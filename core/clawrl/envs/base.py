@@ -64,10 +64,10 @@ class Env(abc.ABC):
     async def step(self, action: str) -> StepOutcome:
         """Apply the model's reply and say what follows."""
 
-    async def finish(self) -> Optional[float]:
-        """The reward of an episode the rollout cut short (out of turns) before the environment
-        ended it. Environments that judge the final state (a terminal task's tests) judge it here;
-        None keeps the last reward ``step`` gave."""
+    async def finish(self) -> Optional["StepOutcome"]:
+        """The verdict on an episode the rollout cut short (out of turns) before the environment
+        ended it: its reward and info, with no observation. Environments that judge the final state
+        (a terminal task's tests) judge it here; None keeps the last reward ``step`` gave."""
         return None
 
     def oracle_actions(self) -> Optional[list[str]]:

@@ -37,6 +37,7 @@ class Episode:
     truncated: bool
     sampled: list[list[int]] = field(default_factory=list)  # each turn's sampled ids, as the engine gave them
     info: dict = field(default_factory=dict)
+    transcript: list[dict] = field(default_factory=list)  # the conversation as text, for people to read
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
@@ -89,7 +90,7 @@ async def run_episode(engine: Engine, tokenizer, env: Env, task: Task, params: S
                 truncated = True
                 final = await env.finish()
                 if final is not None:
-                    reward = final
+                    reward, info = final.reward if final.reward is not None else reward, final.info
                 break
             # what the template puts between the sampled reply and the next assistant reply
             before = _render(tokenizer, messages + [{"role": "assistant", "content": reply}], False)
@@ -106,7 +107,8 @@ async def run_episode(engine: Engine, tokenizer, env: Env, task: Task, params: S
             versions += [versions[-1] if versions else 0] * len(between)
         return Episode(task=task, prompt_ids=prompt, response_ids=response, loss_mask=mask, logprobs=logprobs,
                        weight_versions=versions, reward=0.0 if reward is None else float(reward),
-                       turns=len(sampled), done=done, truncated=truncated, sampled=sampled, info=info)
+                       turns=len(sampled), done=done, truncated=truncated, sampled=sampled, info=info,
+                       transcript=messages + [{"role": "assistant", "content": reply}])
     finally:
         await env.close()
 
