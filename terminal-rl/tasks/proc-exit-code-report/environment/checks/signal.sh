@@ -1,0 +1,5 @@
+#!/bin/bash
+# signal check: kills itself
+echo "about to die" >&2
+kill -TERM $$
+echo unreachable

@@ -1,0 +1,4 @@
+#!/bin/bash
+set -e
+false
+echo "never"

@@ -1,0 +1,3 @@
+#!/bin/bash
+sleep 1
+echo "alpha: 3 files"

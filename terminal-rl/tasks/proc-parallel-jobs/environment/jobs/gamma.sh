@@ -1,0 +1,4 @@
+#!/bin/bash
+sleep 1
+echo "gamma: failed"
+exit 5
