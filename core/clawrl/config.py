@@ -288,6 +288,32 @@ class EnvConfig:
 
 
 @dataclass(frozen=True)
+class SandboxConfig:
+    backend: str = option("auto", "Where agentic environments run commands: auto (bwrap, else unshare, else "
+                          "refuse) | bwrap | unshare | subprocess (no isolation; needs sandbox.allow_unisolated).",
+                          choices=("auto", "bwrap", "unshare", "subprocess"))
+    allow_unisolated: bool = option(False, "Allow the plain subprocess backend, which does NOT isolate: commands "
+                                    "see and may change the whole host. Only for trusted tasks.")
+    root: Optional[str] = option(None, "Directory under which sandboxes keep their writable trees; None: the "
+                                 "system temp directory.")
+    uid_base: int = option(61000, "First host uid of the sandbox slots (as root, each concurrent sandbox runs as "
+                           "its own uid uid_base..uid_base+slots-1, which no account may use).", ge=1000)
+    slots: int = option(32, "Most sandboxes open at once on this host (as root: the size of the uid pool).", ge=1)
+    cpu_time_s: int = option(600, "CPU seconds one sandboxed process may use (RLIMIT_CPU).", ge=1)
+    memory_mb: int = option(2048, "Address space of one sandboxed process in MiB (RLIMIT_AS); a task's memory_mb "
+                            "may lower it.", ge=64)
+    max_procs: int = option(128, "Processes and threads a sandbox may have at once (RLIMIT_NPROC of its uid).",
+                            ge=4)
+    max_file_mb: int = option(1024, "Largest file a sandboxed process may write, in MiB (RLIMIT_FSIZE).", ge=1)
+    max_open_files: int = option(1024, "Open files per sandboxed process (RLIMIT_NOFILE).", ge=16)
+    exec_timeout_s: float = option(300.0, "Default wall-clock limit of one exec; then its whole process tree is "
+                                   "killed.", gt=0)
+    kill_grace_s: float = option(1.0, "After the wall clock, seconds between SIGTERM and SIGKILL.", ge=0)
+    max_output_bytes: int = option(1_000_000, "Bytes of stdout and of stderr kept per exec (the tail; the cut is "
+                                   "marked).", ge=1024)
+
+
+@dataclass(frozen=True)
 class WandbConfig:
     mode: str = option("offline", "offline (default) | online (falls back to offline without network) | "
                        "disabled.", choices=("offline", "online", "disabled"))
@@ -332,6 +358,8 @@ class ClawrlConfig:
     opd: OpdConfig = section(OpdConfig, "On-policy distillation (opd, combine).")
     combine: CombineConfig = section(CombineConfig, "method=combine: mixing the RL and OPD advantages.")
     env: EnvConfig = section(EnvConfig, "The source of samples: live chat or an environment's rollouts.")
+    sandbox: SandboxConfig = section(SandboxConfig, "Where agentic environments run commands: isolation "
+                                     "backend, uids and limits.")
     logging: LoggingConfig = section(LoggingConfig, "Logs and metrics.")
     demo: DemoConfig = section(DemoConfig, "clawrl demo only: the simulated user and how the demo measures "
                                "learning.")
