@@ -1,0 +1,121 @@
+"""Judge an episode with the task's own tests, and run the task's oracle.
+
+``verify`` runs only after the agent has stopped: it empties /tests and /logs/verifier (whatever
+the agent left there, a planted reward.txt or conftest.py included, is gone), copies the tests in,
+and runs the test command from the working directory within the verifier's time limit. The reward
+is the verifier's reward.txt or reward.json, else (Terminal-Bench 1.0) the share of tests pytest
+reports passed. Success is reward >= 1, or every Terminal-Bench 1.0 test passed. A verifier that
+times out, writes no reward, or writes a malformed one gives reward 0 and says so in ``detail``.
+
+``run_oracle`` copies the solution to /solution and runs it from the working directory, within the
+agent's time limit: the reference for "the task can be solved here".
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+from clawrl.envs.base import EnvError
+from clawrl.envs.sandbox import ExecResult, Sandbox, SandboxError
+from clawrl.envs.task_formats.environment import copy_into, make_dirs
+from clawrl.envs.task_formats.rewards import RewardFileError, parse_pytest, parse_reward_json, parse_reward_txt
+from clawrl.envs.task_formats.spec import SOLUTION_DIR, TB1, TESTS_DIR, VERIFIER_LOGS, TerminalTaskSpec
+
+REWARD_FILES = ("reward.txt", "reward.json")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reward: float
+    success: bool
+    passed: Optional[int]  # tests passed, where pytest's report shows them
+    total: Optional[int]
+    detail: str  # one line: where the reward came from, or why it is 0
+
+
+async def verify(spec: TerminalTaskSpec, sandbox: Sandbox) -> Verdict:
+    """Copy the tests in, run them, and read the reward (see the module docstring)."""
+    _clear(sandbox, TESTS_DIR)
+    _clear(sandbox, VERIFIER_LOGS)
+    await make_dirs(sandbox, [TESTS_DIR, VERIFIER_LOGS])
+    if spec.tests_dir is not None:
+        await copy_into(sandbox, spec.tests_dir, TESTS_DIR)
+    for extra in spec.extra_test_files:
+        await copy_into(sandbox, extra, f"{TESTS_DIR}/{extra.name}")
+    result = await sandbox.exec(spec.test_command, env=spec.test_env, timeout_s=spec.verifier_timeout_s)
+    counts = parse_pytest(result.stdout + "\n" + result.stderr)
+    passed, total = (counts.passed, counts.total) if counts else (None, None)
+    if result.timed_out:
+        return Verdict(0.0, False, passed, total,
+                       f"the verifier timed out after {spec.verifier_timeout_s:g} s ({spec.test_command})")
+    try:
+        found = await _reward_file(sandbox)
+    except RewardFileError as e:
+        return Verdict(0.0, False, passed, total, f"{e} (written by {spec.test_command})")
+    if found is not None:
+        name, reward = found
+        return Verdict(reward, reward >= 1.0, passed, total, f"{name} says {reward:g}")
+    if spec.format == TB1 and spec.parser == "pytest":
+        if counts is None or counts.total == 0:
+            return Verdict(0.0, False, passed, total, f"no pytest report in the test output (exit code "
+                           f"{result.returncode}): {_last_words(result)}")
+        reward = counts.passed / counts.total
+        return Verdict(reward, counts.passed == counts.total, passed, total,
+                       f"{counts.passed} of {counts.total} tests passed")
+    return Verdict(0.0, False, passed, total,
+                   f"{spec.test_command} wrote no {VERIFIER_LOGS}/reward.txt or reward.json (exit code "
+                   f"{result.returncode}): {_last_words(result)}")
+
+
+async def copy_solution(spec: TerminalTaskSpec, sandbox: Sandbox) -> str:
+    """Copy the oracle into /solution (Harbor: all of solution/, which solve.sh may use; tb1:
+    solution.sh alone) and return the in-sandbox path of the script to run. EnvError: no oracle."""
+    if spec.solution is None:
+        why = spec.metadata.get("no_oracle_reason", "it ships no solution/solve.sh or solution.sh")
+        raise EnvError(f"{spec.task_id} has no oracle: {why}")
+    if spec.solution.parent.name == "solution" and spec.solution.parent != spec.path:
+        await copy_into(sandbox, spec.solution.parent, SOLUTION_DIR)
+    else:
+        await copy_into(sandbox, spec.solution, f"{SOLUTION_DIR}/{spec.solution.name}")
+    return f"{SOLUTION_DIR}/{spec.solution.name}"
+
+
+async def run_oracle(spec: TerminalTaskSpec, sandbox: Sandbox) -> ExecResult:
+    """Run the task's solution in its working directory, within the agent's time limit."""
+    script = await copy_solution(spec, sandbox)
+    return await sandbox.exec(["bash", script], timeout_s=spec.agent_timeout_s)
+
+
+def _clear(sandbox: Sandbox, path: str) -> None:
+    """Remove in-sandbox ``path`` and everything under it, from the host side. The path is taken
+    literally under the sandbox's tree: a link the agent planted on the way is removed, never
+    followed (and rmtree does not follow links inside)."""
+    host = sandbox.root
+    for part in path.strip("/").split("/"):
+        host = host / part
+        if host.is_symlink() or host.is_file():
+            host.unlink()
+            return
+        if not host.is_dir():
+            return
+    shutil.rmtree(host)
+
+
+async def _reward_file(sandbox: Sandbox) -> Optional[tuple[str, float]]:
+    for name in REWARD_FILES:  # a missing (or unreadable) file is no reward; the next is tried
+        try:
+            data = await sandbox.read_file(f"{VERIFIER_LOGS}/{name}")
+        except SandboxError:
+            continue
+        text = data.decode(errors="replace")
+        return name, parse_reward_txt(text) if name.endswith(".txt") else parse_reward_json(text)
+    return None
+
+
+def _last_words(result: ExecResult) -> str:
+    for text in (result.stderr, result.stdout):
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        if lines:
+            return lines[-1][:200]
+    return "no output"
