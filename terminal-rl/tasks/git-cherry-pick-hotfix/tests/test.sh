@@ -1,0 +1,19 @@
+#!/bin/bash
+# Verifier: branch shape (one commit on v1.0), its tree (fix, no feature), the tag, and main untouched.
+cd /app/repo 2>/dev/null || cd /app
+mkdir -p /logs/verifier
+export GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=safe.directory GIT_CONFIG_VALUE_0='*'
+pass=0; total=0
+check() {  # check NAME COMMAND...: one point when COMMAND succeeds
+  total=$((total + 1))
+  if "${@:2}" >/dev/null 2>&1; then pass=$((pass + 1)); echo "PASS $1"; else echo "FAIL $1"; fi
+}
+b=refs/heads/hotfix-1.0.1
+check "branch exists" git rev-parse -q --verify "$b"
+check "branch is one commit on v1.0" test "$(git rev-parse -q --verify "$b~1")" = "$(git rev-parse 'v1.0^{commit}')"
+check "fix applied" git grep -q 'if text is None' "$b" -- parser.py
+check "no other new work" test "$(git ls-tree --name-only "$b" 2>/dev/null | tr '\n' ' ')" = "parser.py version.py "
+tip=$(git rev-parse -q --verify "$b")
+check "v1.0.1 tags the branch tip" test -n "$tip" -a "$(git rev-parse -q --verify 'v1.0.1^{commit}')" = "$tip"
+check "main untouched" test "$(git log --format=%s main | tr '\n' '|')" = "Add metrics|Fix null check in parser|Add export feature|Release 1.0|Add parser|"
+awk -v p="$pass" -v t="$total" 'BEGIN { printf "%.4f\n", p / t }' > /logs/verifier/reward.txt
