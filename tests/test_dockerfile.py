@@ -3,6 +3,7 @@ real (bubblewrap) sandbox. Unsupported or failing lines refuse the task naming t
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import io
 import tarfile
 from pathlib import Path
@@ -15,6 +16,7 @@ from clawrl.envs.task_formats.dockerfile import (CopyStep, RunStep, WorkdirStep,
                                                  parse_dockerfile, plan_environment)
 from clawrl.envs.task_formats.environment import prepare_environment
 from clawrl.envs.task_formats.harbor import read_harbor
+from clawrl.envs.task_formats.packages import drop_satisfied
 from clawrl.envs.task_formats.spec import TaskRefused
 from clawrl.envs.task_formats.tb1 import read_tb1
 from tests.required_tools import skip_unless_available
@@ -281,3 +283,36 @@ def test_copy_to_a_read_only_place_is_refused_naming_the_line(sandbox_cfg, tmp_p
     message = asyncio.run(go())
     assert message.startswith("t: Dockerfile:2: COPY tool.sh /usr/local/bin/tool: ")
     assert "read-only" in message
+
+
+# ----- package installs the host already satisfies -----
+
+def test_satisfied_installs_become_true_and_the_rest_of_the_line_stays():
+    pytest_version = importlib.metadata.version("pytest")
+    line = ("apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bash "
+            f"coreutils && rm -rf /var/lib/apt/lists/* ; pip install --no-cache-dir pytest=={pytest_version} "
+            "&& echo done")
+    command, dropped = drop_satisfied(line)
+    assert command == "true && true && true ; true && echo done"
+    assert len(dropped) == 4
+
+
+@pytest.mark.parametrize("line", [
+    "apt-get install -y bash clawrl-no-such-package",  # one package missing: the line must fail as written
+    "pip install pytest==0.0.1",  # a version the host does not have
+    "pip install -r requirements.txt",
+    "apt-get install -y bash || echo ignored",  # || : dropping a command could change what runs
+    "apt-get install -y bash > /dev/null",
+    "pip install $(cat pkgs)",
+])
+def test_lines_the_host_does_not_satisfy_run_as_written(line):
+    assert drop_satisfied(line) == (line, [])
+
+
+def test_a_dockerfile_whose_packages_are_all_here_builds(sandbox_cfg, tmp_path):
+    task = harbor_task(tmp_path, "FROM debian:bookworm\nWORKDIR /app\nRUN apt-get update && \\\n"
+                       "    apt-get install -y --no-install-recommends bash coreutils && \\\n"
+                       "    rm -rf /var/lib/apt/lists/* && echo built > /app/built.txt\n"
+                       "RUN apt-get clean\n")
+    _, r, _, _ = prepared(sandbox_cfg, task, "cat built.txt")
+    assert r.stdout == "built\n"

@@ -9,10 +9,14 @@ tests). A failing line refuses the task (TaskRefused) naming the line, its exit 
 words; a line that fetches packages is said to need network, since that is why it failed.
 
 The sandbox is a view of the host, so a RUN line that writes to a new top-level directory
-(``mkdir -p /output``) gets it: top-level directories the line names are made writable first.
+(``mkdir -p /output``) gets it: top-level directories the line names are made writable first; and
+a package install the host already satisfies is skipped (``clawrl.envs.task_formats.packages``),
+so the usual ``apt-get update && apt-get install -y git`` does not refuse a task whose packages
+are all here.
 """
 from __future__ import annotations
 
+import logging
 import re
 import tarfile
 import tempfile
@@ -21,7 +25,10 @@ from pathlib import Path, PurePosixPath
 from clawrl.envs.sandbox import SYSTEM_TOP, Sandbox, SandboxError
 from clawrl.envs.task_formats.dockerfile import (CopyStep, EnvironmentPlan, RunStep, WorkdirStep,
                                                  plan_environment)
+from clawrl.envs.task_formats.packages import drop_satisfied
 from clawrl.envs.task_formats.spec import TaskRefused, TerminalTaskSpec
+
+log = logging.getLogger(__name__)
 
 # Commands that fetch from the network: a RUN line that uses one and fails is reported as needing it.
 _FETCHES = re.compile(r"\b(apt-get|apt|apk|yum|dnf|pip3?|pipx|uv|poetry|conda|npm|npx|yarn|pnpm|curl|wget|"
@@ -111,11 +118,18 @@ async def _unpack(sandbox: Sandbox, archive: Path, dest: str, chmod: int | None)
 
 
 async def _run(sandbox: Sandbox, step: RunStep, timeout_s: float) -> None:
-    text = step.command if isinstance(step.command, str) else " ".join(step.command)
+    command = step.command
+    if isinstance(command, str):
+        command, dropped = drop_satisfied(command)
+        for d in dropped:
+            log.info("%s: skipped %r (already satisfied on the host)", step.at, d)
+        if dropped and not command.replace("true", "").strip(" \n;&"):
+            return  # every command of the line was a satisfied install
+    text = command if isinstance(command, str) else " ".join(command)
     tops = {m.group(1) for m in _ABSOLUTE.finditer(text)} - SYSTEM_TOP - _NOT_CREATED
     for top in sorted(tops):
         sandbox.add_writable("/" + top)
-    result = await sandbox.exec(step.command, cwd=step.cwd, env=step.env, timeout_s=timeout_s)
+    result = await sandbox.exec(command, cwd=step.cwd, env=step.env, timeout_s=timeout_s)
     if result.timed_out:
         raise TaskRefused(f"{step.at}: ran past the build limit of {timeout_s:.0f} s")
     if result.returncode != 0:
