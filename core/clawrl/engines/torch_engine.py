@@ -18,6 +18,7 @@ import asyncio
 import collections
 import logging
 import queue
+import random
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from clawrl.engines.loading import LoadedModel
 from clawrl.engines.prefix_cache import PrefixCache
 from clawrl.engines.ragged import RaggedForward, Segment, unsupported_reason
 from clawrl.engines.sampling import StopStringMatcher, sample_rows
+from clawrl.engines.static_decode import StaticDecoder, default_capacity
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class _Request:
     score_temperature: float = 1.0
     chunks: asyncio.Queue | None = None  # generate: where TokenChunks (or an exception) go
     future: asyncio.Future | None = None  # score: resolved with a ScoreResult
-    generator: torch.Generator | None = None
+    seed: int = 0  # with len(out_ids), picks this request's sampling noise (see sampling.gumbel_noise)
     stop_matcher: StopStringMatcher | None = None
     kv: object = None
     cached: int = 0  # prompt tokens taken from the prefix cache
@@ -74,9 +76,16 @@ class _Request:
 
 
 class TorchEngine(Engine):
-    """See the module docstring. ``model`` and ``tokenizer`` are the HF objects being served."""
+    """See the module docstring. ``model`` and ``tokenizer`` are the HF objects being served.
 
-    def __init__(self, loaded: LoadedModel, engine_cfg: EngineConfig):
+    ``static_decode``: decode in a ``StaticDecoder`` (a preallocated KV arena, CUDA graphs on a
+    GPU); None means on CUDA only. ``static_capacity``: tokens per decode slot (default: what
+    fits in part of the free device memory); requests that would outgrow a slot decode on the
+    ragged path instead.
+    """
+
+    def __init__(self, loaded: LoadedModel, engine_cfg: EngineConfig, static_decode: bool | None = None,
+                 static_capacity: int | None = None):
         if engine_cfg.threads:
             torch.set_num_threads(engine_cfg.threads)
         self.loaded = loaded
@@ -94,6 +103,13 @@ class TorchEngine(Engine):
                         loaded.architecture, reason)
             self.runner = HFForward(self.model)
         self.prefix_cache = PrefixCache(engine_cfg.prefix_cache_tokens if self.runner.ragged else 0)
+        self.decoder: StaticDecoder | None = None
+        if static_decode is None:
+            static_decode = loaded.device.type == "cuda"
+        if static_decode and self.runner.ragged:
+            cap = static_capacity or default_capacity(self.runner, engine_cfg.max_batch_size, self.max_context)
+            if cap >= 2:
+                self.decoder = StaticDecoder(self.runner, engine_cfg.max_batch_size, cap)
         self.weight_version = 0
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -134,13 +150,8 @@ class TorchEngine(Engine):
             raise EngineError(f"request id '{rid}' is already running")
         self._ensure_thread()
         loop = asyncio.get_running_loop()
-        gen = torch.Generator(device=self.loaded.device)
-        if params.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(params.seed)
-        req = _Request(rid, prompt, len(prompt) - 1, loop, params=params, chunks=asyncio.Queue(),
-                       generator=gen,
+        seed = random.getrandbits(32) if params.seed is None else params.seed
+        req = _Request(rid, prompt, len(prompt) - 1, loop, params=params, chunks=asyncio.Queue(), seed=seed,
                        stop_matcher=StopStringMatcher(self.tokenizer, params.stop) if params.stop else None)
         self._live[rid] = req
         self._cmds.put(("add", req))
@@ -187,6 +198,9 @@ class TorchEngine(Engine):
             "paused": self._paused,
             "weight_version": self.weight_version,
             "prefix_cache_tokens": self.prefix_cache.tokens,
+            "static_decode": None if self.decoder is None else {
+                "slots": self.decoder.slots, "capacity": self.decoder.capacity, "decoding": len(self.decoder),
+                "graphs": self.decoder.graphs, "captures": self.decoder.captures},
         }
 
     def model_info(self) -> ModelInfo:
@@ -196,7 +210,8 @@ class TorchEngine(Engine):
             max_context=self.max_context, eos_token_ids=sorted(self.eos_ids), weight_version=self.weight_version,
             device=str(lm.device), dtype=str(lm.dtype).removeprefix("torch."),
             extra={"ragged": self.runner.ragged, "max_batch_size": self.engine_cfg.max_batch_size,
-                   "prefill_chunk_tokens": self.engine_cfg.prefill_chunk_tokens},
+                   "prefill_chunk_tokens": self.engine_cfg.prefill_chunk_tokens,
+                   "static_decode_capacity": self.decoder.capacity if self.decoder is not None else 0},
         )
 
     async def _call(self, kind: str, payload=None):
@@ -309,28 +324,46 @@ class TorchEngine(Engine):
         req.kv_version = self.weight_version
 
     def _step(self) -> None:
+        self._admit_decoders()
         segments, owners = self._plan()
-        try:
-            logits = self.runner.forward(segments)
-        except Exception as e:  # keep serving others; these requests get a one-line error
-            log.exception("engine step failed")
-            for req in owners:
-                self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
-            return
-        self.steps += 1
         version = self.weight_version
-        sample_reqs, sample_rows_idx, row = [], [], 0
-        for seg, req in zip(segments, owners):
-            n = len(seg.logit_rows)
-            if req.is_score:
-                self._score_rows(req, seg, logits[row: row + n])
-            elif n:
-                sample_reqs.append(req)
-                sample_rows_idx.append(row)
-            row += n
+        sample_reqs: list[_Request] = []
+        parts: list[torch.Tensor] = []
+        if segments:
+            try:
+                logits = self.runner.forward(segments)
+            except Exception as e:  # keep serving others; these requests get a one-line error
+                log.exception("engine step failed")
+                for req in owners:
+                    self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
+                segments, owners = [], []
+            else:
+                rows, row = [], 0
+                for seg, req in zip(segments, owners):
+                    n = len(seg.logit_rows)
+                    if req.is_score:
+                        self._score_rows(req, seg, logits[row: row + n])
+                    elif n:
+                        sample_reqs.append(req)
+                        rows.append(row)
+                    row += n
+                if rows:
+                    parts.append(logits[torch.tensor(rows, device=logits.device)])
+        if self.decoder is not None and len(self.decoder):
+            members = list(self.decoder.members)
+            try:
+                parts.append(self.decoder.step([r.out_ids[-1] for r in members]))
+                sample_reqs += members
+            except Exception as e:
+                log.exception("static decode step failed")
+                for req in members:
+                    req.kv_version = -1  # its slot's KV is suspect: never cache it
+                    self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
+        self.steps += 1
         if sample_reqs:
-            picked = logits[torch.tensor(sample_rows_idx, device=logits.device)]
-            draws = sample_rows(picked, [r.params for r in sample_reqs], [r.generator for r in sample_reqs])
+            picked = parts[0] if len(parts) == 1 else torch.cat(parts)
+            draws = sample_rows(picked, [r.params for r in sample_reqs], [r.seed for r in sample_reqs],
+                                [len(r.out_ids) for r in sample_reqs])
             for req, d in zip(sample_reqs, draws):
                 self._emit_token(req, d, version)
         for req in owners:
@@ -339,11 +372,26 @@ class TorchEngine(Engine):
             elif not req.done and req.kv.length == len(req.feed):
                 self._remember(req.feed, req)  # others with this prompt may reuse it now
 
+    def _admit_decoders(self) -> None:
+        """Move generate requests whose prompt is in (and that fit a slot) into the static decoder."""
+        dec = self.decoder
+        if dec is None or len(dec) >= dec.slots:
+            return
+        for req in self._running:
+            if (req.is_score or req.prefilling or not req.out_ids or dec.holds(req)
+                    or not dec.fits(len(req.feed) + req.params.max_new_tokens)):
+                continue
+            self.runner.sync()  # it may have decoded on the ragged path: its own buffers first
+            dec.admit(req, req.kv)
+            if len(dec) >= dec.slots:
+                return
+
     def _plan(self) -> tuple[list[Segment], list[_Request]]:
         segments, owners = [], []
+        dec = self.decoder
         candidates = self._running if self.runner.ragged else [self._running[self.steps % len(self._running)]]
         for req in candidates:
-            if not req.prefilling:
+            if not req.prefilling and not (dec is not None and dec.holds(req)):
                 segments.append(Segment(req.kv, [req.out_ids[-1]], [0]))
                 owners.append(req)
         budget = self.engine_cfg.prefill_chunk_tokens
@@ -438,6 +486,11 @@ class TorchEngine(Engine):
         req.done = True
         if req in self._running:
             self._running.remove(req)
+            dec = self.decoder
+            if dec is not None and dec.holds(req):
+                # its KV lives in the slot: copy it back only if the prefix cache may keep it
+                keep = req.kv_version == self.weight_version and dec.length(req) <= self.prefix_cache.budget
+                dec.release(req, req.kv if keep else None)
             if req.kv is not None:
                 self._remember(req.feed + req.out_ids, req)
         elif req in self._waiting:

@@ -1,0 +1,299 @@
+"""Decode and prefill of clawrl's engine against HF transformers, in the same run, on one GPU.
+
+Decode: 1, 8 and 64 concurrent streams, a 512-token random prompt each and 256 new tokens, EOS
+ignored. The HF baseline runs exactly as ``tools/gpu_baselines.py`` (the project's reference
+probe) runs it: a Qwen3 config built from the same numbers, ``torch.manual_seed(0)``, the model
+made on the device and cast to bf16, one ``generate(prompt[:2], max_new_tokens=8)`` warm-up, then
+``generate(prompt, max_new_tokens=256, min_new_tokens=256, do_sample=True, temperature=1.0,
+top_k=0)`` timed with a CUDA sync. clawrl serves the same model object with the same prompts and
+the same sampling (temperature 1, no truncation), every request through its scheduler; the
+greedy figure is printed beside it.
+
+Prefill: the real OpenClaw request (``tests/fixtures/openclaw-2026.9.6/chat_turn1.json``, system
+prompt plus 12 tools) rendered with the embedded model's chat template and tokenizer; clawrl cold
+(prefix cache flushed, chunked as configured) and as a prefix-cache hit (the previous turn served
+first) against HF's single forward of the whole prompt (``logits_to_keep=1``), CUDA-synced.
+
+Every figure is the median of ``--repeat`` runs (at least 3 on a GPU: the first run at each batch
+size is much slower than later ones, for HF too), engine and HF interleaved. The figures go into
+``--out`` (default ``benchmarks/results/h200.json`` on a GPU), each beside its baseline, ratio,
+commit and command, and a markdown table is printed. ``--shape tiny`` runs the whole suite in
+seconds on a CPU, so the script cannot rot.
+
+    python benchmarks/gpu_suite.py --part decode|prefill|all [--shape qwen3-1.7b|qwen3-0.6b|tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from clawrl.config import EngineConfig
+from clawrl.embedded.build import build_tokenizer, default_model_path
+from clawrl.embedded.tokenizer import render_chat
+from clawrl.engines.base import SamplingParams
+from clawrl.engines.loading import LoadedModel
+from clawrl.engines.torch_engine import TorchEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "openclaw-2026.9.6" / "chat_turn1.json"
+
+# The numbers of tools/gpu_baselines.py (Qwen3-1.7B shape, tied), and a 0.6B shape to iterate on.
+SHAPES = {
+    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "tiny": dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+# Per shape: streams, prompt tokens, new tokens, prefill tokens (0: the whole OpenClaw request).
+SIZES = {
+    "qwen3-1.7b": ((1, 8, 64), 512, 256, 0),
+    "qwen3-0.6b": ((1, 8, 64), 512, 256, 0),
+    "tiny": ((1, 4), 32, 8, 600),
+}
+
+
+def build_model(shape: str, device: str) -> Qwen3ForCausalLM:
+    """The model as gpu_baselines.py builds it (on CPU: fp32, since that is what CPUs run)."""
+    cfg = Qwen3Config(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=True,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    if device == "cuda":
+        model = model.to(torch.bfloat16)
+    return model.eval()
+
+
+def loaded_model(model, shape: str) -> LoadedModel:
+    p = next(model.parameters())
+    return LoadedModel(model=model, tokenizer=None, name=shape, path="(random weights)",
+                       architecture="Qwen3ForCausalLM", max_context=32768, eos_token_ids=[], device=p.device,
+                       dtype=p.dtype)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- decode
+
+def hf_decode(model, prompt: torch.Tensor, new: int) -> float:
+    sync()
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0,
+                             top_k=0)
+    sync()
+    dt = time.perf_counter() - t
+    assert out.shape[1] == prompt.shape[1] + new
+    return prompt.shape[0] * new / dt
+
+
+async def clawrl_decode(eng: TorchEngine, prompts: list[list[int]], new: int, greedy: bool) -> float:
+    params = SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0, top_k=0, top_p=1.0,
+                            ignore_eos=True)
+    await eng.flush_cache()
+    sync()
+    t = time.perf_counter()
+    results = await asyncio.gather(*(eng.generate(p, params) for p in prompts))
+    sync()
+    dt = time.perf_counter() - t
+    assert all(len(r.token_ids) == new for r in results)
+    return len(prompts) * new / dt
+
+
+async def run_decode(model, lm, args, streams, prompt_len, new, repeat) -> dict:
+    vocab = model.config.vocab_size
+    with torch.no_grad():  # gpu_baselines' warm-up
+        model.generate(torch.randint(0, vocab, (2, prompt_len), device=lm.device), max_new_tokens=8,
+                       do_sample=True, min_new_tokens=8)
+    eng = TorchEngine(lm, EngineConfig(max_batch_size=max(streams)))
+    await eng.start()
+    out = {}
+    try:
+        for n in streams:
+            prompt = torch.randint(0, vocab, (n, prompt_len), device=lm.device)
+            ids = prompt.tolist()
+            await clawrl_decode(eng, ids, new, greedy=False)  # warm-up: graph captures for these shapes
+            sampled, greedy, hf = [], [], []
+            for _ in range(repeat):
+                sampled.append(await clawrl_decode(eng, ids, new, greedy=False))
+                greedy.append(await clawrl_decode(eng, ids, new, greedy=True))
+                hf.append(hf_decode(model, prompt, new))
+            c, g, h = statistics.median(sampled), statistics.median(greedy), statistics.median(hf)
+            out[f"streams_{n}"] = {
+                "clawrl_tok_s": round(c, 1), "hf_tok_s": round(h, 1), "ratio": round(c / h, 3),
+                "clawrl_greedy_tok_s": round(g, 1),
+                "runs": {"clawrl": [round(x, 1) for x in sampled], "clawrl_greedy": [round(x, 1) for x in greedy],
+                         "hf": [round(x, 1) for x in hf]},
+            }
+            print(f"decode {n:>3} streams: clawrl {c:9.1f} tok/s (greedy {g:9.1f}), HF generate {h:9.1f} tok/s, "
+                  f"ratio {c / h:5.2f}  runs {out[f'streams_{n}']['runs']}", flush=True)
+        out["engine"] = (await eng.health()).get("static_decode")
+    finally:
+        await eng.shutdown()
+    return out
+
+
+# ---------------------------------------------------------------- prefill
+
+def openclaw_prompts(tokenizer_dir: str | None, limit: int) -> tuple[list[int], list[int]]:
+    """Turn 1 of the OpenClaw fixture and a next turn with the same system prompt and tools."""
+    if tokenizer_dir:
+        tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    else:
+        try:
+            tok = Tokenizer.from_file(str(default_model_path(build_if_missing=False) / "tokenizer.json"))
+        except FileNotFoundError:
+            tok = build_tokenizer(0)  # the embedded model's tokenizer, trained here (seconds)
+    body = json.loads(FIXTURE.read_text())["body"]
+    messages, tools = body["messages"], body.get("tools")
+    if limit:  # a small stand-in: the system prompt's head, no tools (about 2 characters a token)
+        messages = [{**m, "content": m["content"][: 2 * limit]} if m["role"] == "system" else m for m in messages]
+        tools = None
+
+    def render(msgs):
+        return tok.encode(render_chat(msgs, tools, add_generation_prompt=True), add_special_tokens=False).ids
+
+    first = render(messages)
+    nxt = render([m for m in messages if m["role"] == "system"]
+                 + [{"role": "user", "content": "Too long. One line, and no rhymes please."}])
+    return first, nxt
+
+
+def hf_prefill(model, ids: torch.Tensor) -> float:
+    sync()
+    t = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids, logits_to_keep=1)
+    sync()
+    return time.perf_counter() - t
+
+
+async def clawrl_prefill(eng: TorchEngine, prompt: list[int]) -> tuple[float, int]:
+    sync()
+    t = time.perf_counter()
+    r = await eng.generate(prompt, SamplingParams(max_new_tokens=1, temperature=0.0))
+    sync()
+    return time.perf_counter() - t, r.cached_prompt_tokens
+
+
+async def run_prefill(model, lm, args, limit, repeat) -> dict:
+    first, nxt = openclaw_prompts(args.tokenizer, limit)
+    eng = TorchEngine(lm, EngineConfig())
+    await eng.start()
+    try:
+        ids = torch.tensor([nxt], device=lm.device)
+        hf_prefill(model, ids)  # warm-up
+        await clawrl_prefill(eng, nxt)
+        colds, hits, hfs, cached = [], [], [], 0
+        for _ in range(repeat):
+            await eng.flush_cache()
+            cold, _ = await clawrl_prefill(eng, nxt)
+            await eng.flush_cache()
+            await clawrl_prefill(eng, first)
+            hit, cached = await clawrl_prefill(eng, nxt)
+            colds.append(cold)
+            hits.append(hit)
+            hfs.append(hf_prefill(model, ids))
+    finally:
+        await eng.shutdown()
+    c, h, f = (statistics.median(x) * 1000 for x in (colds, hits, hfs))
+    print(f"prefill {len(nxt)} tokens: clawrl cold {c:.1f} ms, prefix-cache hit {h:.1f} ms ({cached} cached), "
+          f"HF forward {f:.1f} ms, cold/HF {c / f:.2f}, hit/cold {h / c:.1%}", flush=True)
+    return {"openclaw": {
+        "clawrl_ms": round(c, 2), "hf_ms": round(f, 2), "ratio_to_hf": round(c / f, 3),
+        "hit_ms": round(h, 2), "hit_over_cold": round(h / c, 4), "tokens": len(nxt), "cached_tokens": cached,
+        "prefill_chunk_tokens": eng.engine_cfg.prefill_chunk_tokens,
+        "runs": {"clawrl_cold_ms": [round(x * 1000, 2) for x in colds],
+                 "clawrl_hit_ms": [round(x * 1000, 2) for x in hits], "hf_ms": [round(x * 1000, 2) for x in hfs]},
+    }}
+
+
+# ---------------------------------------------------------------- report
+
+def commit() -> str:
+    if os.environ.get("CLAWRL_COMMIT"):
+        return os.environ["CLAWRL_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def table(results: dict) -> str:
+    lines = ["| what | clawrl | HF baseline, same run | clawrl / HF |", "|---|---:|---:|---:|"]
+    for key, d in results.get("decode", {}).items():
+        if key.startswith("streams_"):
+            lines.append(f"| decode, {key[8:]} stream(s), tok/s (greedy: {d['clawrl_greedy_tok_s']:.0f}) "
+                         f"| {d['clawrl_tok_s']:.0f} | {d['hf_tok_s']:.0f} | {d['ratio']:.2f} |")
+    p = results.get("prefill", {}).get("openclaw")
+    if p:
+        lines.append(f"| cold prefill, OpenClaw request ({p['tokens']} tokens), ms | {p['clawrl_ms']:.0f} "
+                     f"| {p['hf_ms']:.0f} | {p['ratio_to_hf']:.2f} (HF/clawrl {1 / p['ratio_to_hf']:.2f}) |")
+        lines.append(f"| prefix-cache hit, same request, ms | {p['hit_ms']:.1f} | | {p['hit_over_cold']:.1%} of cold |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("decode", "prefill", "all"), default="all")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="model shape (default: qwen3-1.7b on a GPU, tiny on a CPU)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
+    ap.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the embedded model's)")
+    ap.add_argument("--out", default=None, help="JSON file to merge the figures into")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = args.shape or ("qwen3-1.7b" if device == "cuda" else "tiny")
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("h200.json" if device == "cuda"
+                                                                              else "cpu.json")
+    streams, prompt_len, new, limit = SIZES[shape]
+    t0 = time.perf_counter()
+    model = build_model(shape, device)
+    lm = loaded_model(model, shape)
+    print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters on "
+          f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}, {lm.dtype}; torch {torch.__version__}",
+          flush=True)
+    stamp = {"commit": commit(), "command": "python benchmarks/gpu_suite.py " + shlex.join(sys.argv[1:] if argv is None
+                                                                                            else argv)}
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results["meta"] = {"shape": shape, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                       "torch": torch.__version__, "dtype": str(lm.dtype), **stamp}
+    if args.part in ("decode", "all"):
+        dec = asyncio.run(run_decode(model, lm, args, streams, prompt_len, new, args.repeat))
+        engine = dec.pop("engine")
+        for d in dec.values():
+            d.update(stamp, shape=shape, prompt_tokens=prompt_len, new_tokens=new)
+        results["decode"] = {**dec, "static_decode": engine}
+    if args.part in ("prefill", "all"):
+        pre = asyncio.run(run_prefill(model, lm, args, limit, args.repeat))
+        pre["openclaw"].update(stamp, shape=shape)
+        results["prefill"] = pre
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\n{table(results)}\n\n({shape}, {results['meta']['device']}, commit {stamp['commit']}, "
+          f"{time.perf_counter() - t0:.0f} s; written to {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

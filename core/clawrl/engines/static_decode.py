@@ -1,0 +1,225 @@
+"""Decode steps over a preallocated KV arena, replayed as CUDA graphs on a GPU.
+
+On a GPU the ragged forward is host-bound at decode: a step of a 28-layer model launches about
+two thousand small kernels, and each launch costs more host time than the kernel takes on the
+device. Here every decoding sequence owns one slot of a static KV arena
+``[layers, 2, slots, kv_heads, capacity, head_dim]`` that is allocated once and updated in place,
+so the tensors a decode step touches never move, and the whole step -- embedding, every layer,
+the new K/V written at each row's position, attention, the final norm and the fp32 logits -- is
+captured once as a CUDA graph and then replayed with one launch.
+
+Graphs are captured lazily per (batch bucket, attention-width bucket): a batch of ``n`` sequences
+runs the graph of the smallest bucket ``>= n`` (padding rows write only into free slots), and
+attention reads the first ``W`` positions of each slot, ``W`` the longest context rounded up, so
+the bytes read grow with the contexts actually in the batch rather than with ``capacity``.
+Slots are kept dense: when a sequence leaves, the last one moves into its hole.
+
+The graphs read the model's parameters where they are, so a weight update must copy new values
+into the same storage (``TorchEngine`` does), which it does between steps. On CPU (and with
+``graphs=False``) the same step runs eagerly; tests use that to check it against the ragged path.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from clawrl.engines.ragged import RaggedForward, SeqKV, _rope
+
+log = logging.getLogger(__name__)
+
+# Fraction of the free device memory the arena may take when no capacity is given.
+ARENA_MEMORY_FRACTION = 0.3
+
+
+def batch_buckets(slots: int) -> list[int]:
+    """Batch sizes that get their own graph: 1, 2, 4, 8, then multiples of 8, and ``slots``."""
+    sizes = [b for b in (1, 2, 4) if b < slots] + list(range(8, slots, 8)) + [slots]
+    return sorted(set(sizes))
+
+
+def width_bucket(needed: int, capacity: int) -> int:
+    """Attention width for contexts up to ``needed`` tokens: rounded up to a multiple of a step that
+    is an eighth of the next power of two (at least 256), so a few graphs cover each doubling and
+    at most about an eighth of the KV read is padding."""
+    p = 1 << max(needed - 1, 1).bit_length()
+    step = max(256, p // 8)
+    return min(capacity, -(-needed // step) * step)
+
+
+def default_capacity(runner: RaggedForward, slots: int, max_context: int) -> int:
+    """Tokens per slot that fit in ``ARENA_MEMORY_FRACTION`` of free device memory, at most
+    ``max_context``, rounded down to a multiple of 256 (0: not worth an arena)."""
+    p = runner.inner.embed_tokens.weight
+    per_token = runner.n_layers * 2 * runner.kv_heads * runner.head_dim * p.element_size()
+    free, _ = torch.cuda.mem_get_info(p.device)
+    cap = min(max_context, int(free * ARENA_MEMORY_FRACTION) // (slots * per_token))
+    return cap // 256 * 256
+
+
+class StaticDecoder:
+    """See the module docstring. ``owner`` objects (the engine's requests) are opaque here."""
+
+    def __init__(self, runner: RaggedForward, slots: int, capacity: int, graphs: bool | None = None):
+        if slots < 1 or capacity < 1:
+            raise ValueError(f"a static decoder needs slots >= 1 and capacity >= 1, got {slots} and {capacity}")
+        self.runner = runner
+        inner = runner.inner
+        p = inner.embed_tokens.weight
+        self.device = p.device
+        self.slots, self.capacity = slots, capacity
+        self.graphs = p.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and p.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.vocab = int(runner.model.config.vocab_size)
+        # zeros, not empty: a padding row attends to position 0 of a free slot, and NaN garbage there
+        # would poison its (discarded) output and, through 0 * NaN, nothing else -- but keep it finite
+        self.arena = p.new_zeros(runner.n_layers, 2, slots, runner.kv_heads, capacity, runner.head_dim)
+        self.ids = torch.zeros(slots, dtype=torch.long, device=p.device)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=p.device)
+        self.rows = torch.arange(slots, device=p.device)
+        self.logits = torch.empty(slots, self.vocab, dtype=torch.float32, device=p.device)
+        self._host = torch.zeros(2, slots, dtype=torch.long, pin_memory=p.device.type == "cuda")
+        self.members: list = []  # slot -> owner
+        self.lengths: list[int] = []  # slot -> positions filled
+        self._slot_of: dict[int, int] = {}  # id(owner) -> slot
+        self._buckets = batch_buckets(slots)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.captures = 0
+
+    # ------------------------------------------------------------------ membership
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def holds(self, owner) -> bool:
+        return id(owner) in self._slot_of
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a sequence that will reach ``tokens`` positions can live in a slot."""
+        return tokens <= self.capacity
+
+    def admit(self, owner, kv: SeqKV) -> None:
+        """Give ``owner`` the next free slot, holding a copy of ``kv``'s filled positions."""
+        if len(self.members) >= self.slots:
+            raise RuntimeError("no free decode slot")
+        if kv.length >= self.capacity:
+            raise RuntimeError(f"{kv.length} positions do not fit a slot of {self.capacity}")
+        slot, n = len(self.members), kv.length
+        for li, (k, v) in enumerate(kv.layers):
+            self.arena[li, 0, slot, :, :n] = k[:n].transpose(0, 1)
+            self.arena[li, 1, slot, :, :n] = v[:n].transpose(0, 1)
+        self.members.append(owner)
+        self.lengths.append(n)
+        self._slot_of[id(owner)] = slot
+
+    def release(self, owner, into: SeqKV | None = None) -> None:
+        """Free ``owner``'s slot; with ``into``, first copy the slot's positions back there (for the
+        prefix cache). The last slot moves into the hole, so slots stay dense."""
+        slot = self._slot_of.pop(id(owner))
+        n = self.lengths[slot]
+        if into is not None and n:
+            into.ensure(n)
+            for li, (k, v) in enumerate(into.layers):
+                k[:n] = self.arena[li, 0, slot, :, :n].transpose(0, 1)
+                v[:n] = self.arena[li, 1, slot, :, :n].transpose(0, 1)
+            into.length = n
+        last = len(self.members) - 1
+        if slot != last:
+            m = self.lengths[last]
+            self.arena[:, :, slot, :, :m] = self.arena[:, :, last, :, :m]
+            self.members[slot], self.lengths[slot] = self.members[last], self.lengths[last]
+            self._slot_of[id(self.members[slot])] = slot
+        self.members.pop()
+        self.lengths.pop()
+
+    def length(self, owner) -> int:
+        return self.lengths[self._slot_of[id(owner)]]
+
+    def drop_graphs(self) -> None:
+        self._graphs.clear()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed ``tokens[i]`` to slot ``i`` at its next position; fp32 logits ``[len(tokens), V]``.
+
+        The returned tensor is a view of a static buffer that the next step overwrites."""
+        n = len(self.members)
+        if len(tokens) != n or n == 0:
+            raise ValueError(f"step needs one token per member ({n}), got {len(tokens)}")
+        if max(self.lengths) >= self.capacity:
+            raise RuntimeError("a decode slot is full")
+        b = next(s for s in self._buckets if s >= n)
+        w = width_bucket(max(self.lengths) + 1, self.capacity)
+        host = self._host
+        host.zero_()
+        host[0, :n] = torch.tensor(tokens, dtype=torch.long)
+        host[1, :n] = torch.tensor(self.lengths, dtype=torch.long)
+        self.ids.copy_(host[0], non_blocking=True)
+        self.pos.copy_(host[1], non_blocking=True)
+        graph = self._graph(b, w) if self.graphs else None
+        if graph is None:
+            self._forward(b, w)
+        else:
+            graph.replay()
+        for i in range(n):
+            self.lengths[i] += 1
+        return self.logits[:n]
+
+    def _graph(self, b: int, w: int):
+        key = (b, w)
+        if key in self._graphs:
+            return self._graphs[key]
+        # Run once eagerly on a side stream (allocator and library warm-up, as torch asks), then
+        # capture. Both see this step's inputs, and the step is idempotent for them: it writes the
+        # same K/V at the same positions before attention reads them, so running it again in the
+        # replay gives the same result.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(b, w)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._forward(b, w)
+        except Exception as e:  # e.g. a rope variant that syncs: that shape runs eagerly
+            log.warning("decode graph for batch %d, width %d not captured (%s: %s); running it eagerly",
+                        b, w, type(e).__name__, str(e)[:200])
+            graph = None
+        self._graphs[key] = graph
+        self.captures += 1
+        return graph
+
+    def _forward(self, b: int, w: int) -> None:
+        """One decode step for slots ``[0, b)`` attending over ``[0, w)``; writes ``self.logits[:b]``."""
+        r = self.runner
+        inner = r.inner
+        ids, pos, rows = self.ids[:b], self.pos[:b], self.rows[:b]
+        x = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(x[None], pos[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        group = r.n_heads // r.kv_heads
+        # the query heads sharing a KV head act as that head's queries: [b, kv_heads, group, dim]
+        mask = (torch.arange(w, device=ids.device)[None, :] <= pos[:, None])[:, None, None, :]
+        for li, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, r.n_heads, r.head_dim)
+            k = attn.k_proj(h).view(b, r.kv_heads, r.head_dim)
+            v = attn.v_proj(h).view(b, r.kv_heads, r.head_dim)
+            if r.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            kc, vc = self.arena[li, 0], self.arena[li, 1]
+            kc[rows, :, pos] = k
+            vc[rows, :, pos] = v
+            o = F.scaled_dot_product_attention(
+                q.view(b, r.kv_heads, group, r.head_dim), kc[:b, :, :w], vc[:b, :, :w],
+                attn_mask=mask, scale=r.scaling)
+            x = x + attn.o_proj(o.reshape(b, r.n_heads * r.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.logits[:b] = r.model.lm_head(inner.norm(x)).float()

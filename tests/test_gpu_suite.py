@@ -1,0 +1,48 @@
+"""benchmarks/gpu_suite.py at its tiny CPU size, so the GPU benchmark cannot rot: it runs the
+decode and prefill parts end to end and writes every key the results file promises."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+
+
+def load_suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
+    suite = load_suite()
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"other": {"kept": 1}}))  # figures are merged into an existing file
+    assert suite.main(["--shape", "tiny", "--repeat", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["other"] == {"kept": 1}
+    for n in (1, 4):
+        d = res["decode"][f"streams_{n}"]
+        assert d["clawrl_tok_s"] > 0 and d["hf_tok_s"] > 0 and d["clawrl_greedy_tok_s"] > 0
+        assert d["ratio"] == pytest.approx(d["clawrl_tok_s"] / d["hf_tok_s"], rel=1e-2)
+        assert d["commit"] and d["command"].startswith("python benchmarks/gpu_suite.py --shape tiny")
+    p = res["prefill"]["openclaw"]
+    assert p["clawrl_ms"] > 0 and p["hf_ms"] > 0 and p["ratio_to_hf"] == pytest.approx(p["clawrl_ms"] / p["hf_ms"], rel=1e-2)
+    assert 0 < p["cached_tokens"] < p["tokens"]  # the hit really came from the prefix cache
+    printed = capsys.readouterr().out
+    assert "| decode, 1 stream(s)" in printed and "| cold prefill, OpenClaw request" in printed
+
+
+def test_gpu_suite_decode_part_leaves_prefill_alone(tmp_path):
+    suite = load_suite()
+    out = tmp_path / "r.json"
+    earlier = {"openclaw": {"clawrl_ms": 1.0, "hf_ms": 2.0, "ratio_to_hf": 0.5, "hit_ms": 0.1, "hit_over_cold": 0.1,
+                            "tokens": 9}}
+    out.write_text(json.dumps({"prefill": earlier}))
+    assert suite.main(["--part", "decode", "--shape", "tiny", "--repeat", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prefill"] == earlier and "streams_4" in res["decode"]
