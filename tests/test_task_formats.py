@@ -60,6 +60,7 @@ def test_a_mixed_directory_lists_every_task_with_its_own_format_and_split():
         ("add-2-3", "train", "rows"),
         ("train-3", "train", "rows"),  # no id: split and line number (the blank line 2 still counts)
         ("tb1-csv-sum", "test", "tb1"),
+        ("tb1-uv-template", "train", "tb1"),
     ]
 
 
@@ -261,6 +262,16 @@ def test_tb1_reward_is_the_share_of_pytest_tests_passed(sandbox_cfg):
     assert nop.reward == pytest.approx(1 / 3)
     half = episode(sandbox_cfg, s, oracle=False, agent="echo 22 > total.txt")
     assert (half.passed, half.total, half.success) == (2, 3, False)
+
+
+def test_tb1_run_tests_that_fetch_their_tools_fall_back_to_the_hosts_pytest(sandbox_cfg):
+    s = spec("tb1-uv-template")
+    oracle = episode(sandbox_cfg, s, oracle=True)
+    assert (oracle.reward, oracle.success, oracle.passed, oracle.total) == (1.0, True, 2, 2)
+    assert oracle.detail == ("2 of 2 tests passed (run-tests.sh fetches its test tools from the network; the "
+                             "host's pytest ran the tests)")
+    nop = episode(sandbox_cfg, s, oracle=False)
+    assert (nop.reward, nop.success, nop.passed, nop.total) == (0.0, False, 0, 2)
 
 
 def test_reward_json_gives_partial_credit_in_the_declared_workdir(sandbox_cfg):

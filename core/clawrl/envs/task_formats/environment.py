@@ -31,7 +31,7 @@ from clawrl.envs.task_formats.spec import TaskRefused, TerminalTaskSpec
 log = logging.getLogger(__name__)
 
 # Commands that fetch from the network: a RUN line that uses one and fails is reported as needing it.
-_FETCHES = re.compile(r"\b(apt-get|apt|apk|yum|dnf|pip3?|pipx|uv|poetry|conda|npm|npx|yarn|pnpm|curl|wget|"
+FETCHES = re.compile(r"\b(apt-get|apt|apk|yum|dnf|pip3?|pipx|uv|poetry|conda|npm|npx|yarn|pnpm|curl|wget|"
                       r"git\s+clone|cargo\s+(?:install|fetch|build)|go\s+(?:get|install|mod)|gem|rustup)\b")
 # An absolute path in a shell line: "/" after whitespace, a quote, "=", ":" or "(" (not inside a URL).
 _ABSOLUTE = re.compile(r"(?:^|(?<=[\s\"'=(:;&|>]))/([A-Za-z0-9_][A-Za-z0-9_.-]*)")
@@ -133,7 +133,7 @@ async def _run(sandbox: Sandbox, step: RunStep, timeout_s: float) -> None:
     if result.timed_out:
         raise TaskRefused(f"{step.at}: ran past the build limit of {timeout_s:.0f} s")
     if result.returncode != 0:
-        why = " (it fetches from the network, and the sandbox has none)" if _FETCHES.search(text) else ""
+        why = " (it fetches from the network, and the sandbox has none)" if FETCHES.search(text) else ""
         raise TaskRefused(f"{step.at}: failed with exit code {result.returncode}{why}: "
                           f"{_last_words(result.stderr or result.stdout)}")
 
