@@ -13,12 +13,12 @@ left = sorted(str(p.relative_to(lib)) for p in lib.rglob("*") if p.is_file())
 keep = ["2023/budget-old.csv", "2023/report.txt", "2023/unique.txt", "misc/budget-draft.csv",
         "misc/notes.md", "misc/report-caps.txt"]
 gone = ["2024/budget.csv", "2024/report-copy.txt", "misc/report (1).txt"]
-for k in keep:
-    check(f"kept {k}", k in left)
+kept = all(k in left for k in keep) and (lib / "2023/report.txt").read_bytes() == b"alpha report v1\n"
+print("PASS" if kept else "FAIL", "every first-of-its-content file kept, intact")
+# A deletion earns its point only while nothing that should stay is gone (deleting everything
+# earns nothing); keeping is no point of its own (doing nothing keeps everything).
 for g in gone:
-    check(f"deleted {g}", g not in left)
-report = lib / "2023/report.txt"
-check("kept files intact", report.exists() and report.read_bytes() == b"alpha report v1\n")
+    check(f"deleted {g}", g not in left and kept)
 try:
     listed = Path("/app/removed.txt").read_text().splitlines()
 except OSError:

@@ -22,6 +22,6 @@ noext README
 csv data.csv
 sh script.sh
 LIST
-check "inbox is empty" test -z "$(ls -A /app/inbox 2>/dev/null)"
+check "inbox is empty, all ten files sorted" test -z "$(ls -A /app/inbox 2>/dev/null)" -a "$(find /app/sorted -type f 2>/dev/null | wc -l)" = 10
 check "no stray directories" test "$(ls /app/sorted 2>/dev/null | tr '\n' ' ')" = "csv gz jpg noext pdf sh txt "
 awk -v p="$pass" -v t="$total" 'BEGIN { printf "%.4f\n", p / t }' > /logs/verifier/reward.txt

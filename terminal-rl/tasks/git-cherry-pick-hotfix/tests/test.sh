@@ -3,6 +3,11 @@
 cd /app/repo 2>/dev/null || cd /app
 mkdir -p /logs/verifier
 export GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=safe.directory GIT_CONFIG_VALUE_0='*'
+if ! git -C /app/repo rev-parse -q --verify HEAD >/dev/null 2>&1; then
+  echo "FAIL /app/repo is no longer a git repository with commits"
+  echo 0 > /logs/verifier/reward.txt
+  exit 0
+fi
 pass=0; total=0
 check() {  # check NAME COMMAND...: one point when COMMAND succeeds
   total=$((total + 1))
@@ -10,7 +15,7 @@ check() {  # check NAME COMMAND...: one point when COMMAND succeeds
 }
 b=refs/heads/hotfix-1.0.1
 check "branch exists" git rev-parse -q --verify "$b"
-check "branch is one commit on v1.0" test "$(git rev-parse -q --verify "$b~1")" = "$(git rev-parse 'v1.0^{commit}')"
+check "branch is one commit on v1.0" test -n "$(git rev-parse -q --verify "$b")" -a "$(git rev-parse -q --verify "$b~1")" = "$(git rev-parse 'v1.0^{commit}')"
 check "fix applied" git grep -q 'if text is None' "$b" -- parser.py
 check "no other new work" test "$(git ls-tree --name-only "$b" 2>/dev/null | tr '\n' ' ')" = "parser.py version.py "
 tip=$(git rev-parse -q --verify "$b")

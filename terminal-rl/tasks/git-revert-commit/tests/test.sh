@@ -3,6 +3,11 @@
 cd /app/repo 2>/dev/null || cd /app
 mkdir -p /logs/verifier
 export GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=safe.directory GIT_CONFIG_VALUE_0='*'
+if ! git -C /app/repo rev-parse -q --verify HEAD >/dev/null 2>&1; then
+  echo "FAIL /app/repo is no longer a git repository with commits"
+  echo 0 > /logs/verifier/reward.txt
+  exit 0
+fi
 pass=0; total=0
 check() {  # check NAME COMMAND...: one point when COMMAND succeeds
   total=$((total + 1))

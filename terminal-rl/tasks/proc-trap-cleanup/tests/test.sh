@@ -13,7 +13,7 @@ timeout 10 /app/worker.sh 3; rc=$?
 check "full run exits 0" test "$rc" = 0
 check "full run: 3 ticks" test "$(cat worker.out 2>/dev/null)" = $'tick 1\ntick 2\ntick 3'
 check "full run: status done" test "$(cat worker.status 2>/dev/null)" = done
-check "full run: pid file removed" test ! -e worker.pid
+check "full run: pid file removed" test "$rc" = 0 -a ! -e worker.pid
 
 stopped_by() {  # stopped_by SIGNAL EXPECTED_STATUS: start a long run, signal it after two ticks
   rm -f worker.pid worker.status

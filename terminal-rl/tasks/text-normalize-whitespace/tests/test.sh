@@ -15,7 +15,10 @@ def read(p):
 check("readme.txt", read("readme.txt") == b"Title\n\nFirst line\nsecond line\n")
 check("short.txt", read("short.txt") == b"no newline at end\n")
 check("sub/mixed.txt", read("sub/mixed.txt") == b"ok line\nwith trailing spaces\n  indented stays\n")
-check("keep.csv untouched", read("keep.csv") == b"keep\r\nthis   \r\n")
-check("blob.bin untouched", read("blob.bin") == b"\x00\x01\r\n\xff  \r\n")
-Path("/logs/verifier/reward.txt").write_text(f"{sum(checks) / len(checks):.4f}\n")
+# Other files are not a point to earn (doing nothing leaves them right) but a condition: changing
+# them halves the reward.
+untouched = read("keep.csv") == b"keep\r\nthis   \r\n" and read("blob.bin") == b"\x00\x01\r\n\xff  \r\n"
+print("PASS" if untouched else "FAIL", "non-.txt files untouched")
+reward = sum(checks) / len(checks) * (1.0 if untouched else 0.5)
+Path("/logs/verifier/reward.txt").write_text(f"{reward:.4f}\n")
 PY
