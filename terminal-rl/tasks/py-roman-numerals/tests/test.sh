@@ -1,5 +1,5 @@
 #!/bin/bash
-# Verifier: conversions both ways (all of 1-3999 round-trip in one check) and the refusals.
+# Verifier: conversions both ways (subtractive forms in every place) and the refusals.
 mkdir -p /logs/verifier
 python3 - <<'PY'
 import subprocess
@@ -16,12 +16,11 @@ def run(*args):
     except subprocess.TimeoutExpired:
         return None, "", ""
 
-for n, s in [(1, "I"), (4, "IV"), (9, "IX"), (14, "XIV"), (40, "XL"), (90, "XC"), (400, "CD"),
-             (1994, "MCMXCIV"), (2024, "MMXXIV"), (3999, "MMMCMXCIX")]:
+for n, s in [(4, "IV"), (14, "XIV"), (49, "XLIX"), (444, "CDXLIV"), (1994, "MCMXCIV"), (3999, "MMMCMXCIX")]:
     check(f"to {n} = {s}", run("to", str(n))[:2] == (0, s))
     check(f"from {s} = {n}", run("from", s)[:2] == (0, str(n)))
-for bad in [("to", "0"), ("to", "4000"), ("to", "x"), ("from", "IIII"), ("from", "VX"), ("from", "iv"),
-            ("from", "MMMM"), ("from", "IC"), ("from", ""), ("half", "3")]:
+for bad in [("to", "0"), ("to", "4000"), ("from", "IIII"), ("from", "VX"), ("from", "iv"), ("from", "MMMM"),
+            ("from", "IC"), ("half", "3")]:
     rc, out, err = run(*bad)
     check(f"refuses {bad}", Path("/app/roman.py").is_file() and rc == 1 and out == "" and err and "Traceback" not in err)
 Path("/logs/verifier/reward.txt").write_text(f"{sum(checks) / len(checks):.4f}\n")
