@@ -524,46 +524,62 @@ class BwrapSandbox(_NamespacedSandbox):
 
 class UnshareSandbox(_NamespacedSandbox):
     """util-linux ``unshare`` makes the namespaces; a shell script inside, still root but only in
-    new namespaces, builds the view on a tmpfs, pivots into it, brings loopback up, and runs the
-    command through prlimit and setpriv. That shell stays as pid 1 to reap orphans; when the command
-    exits, so does it, and the kernel kills the rest of the namespace."""
+    new namespaces, mounts the view onto a skeleton of empty mount points (made once, at open),
+    pivots into it, brings loopback up, and runs the command through prlimit and setpriv. That
+    shell stays as pid 1 to reap orphans; when the command exits, so does it, and the kernel kills
+    the rest of the namespace. Every mount happens in the exec's private mount namespace: the host
+    only ever sees the empty skeleton."""
 
     backend = "unshare"
+    DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         if self.slot.shared:
             raise SandboxError("the unshare backend needs root (it mounts the view as root before dropping "
                                "to the slot's uid); use sandbox.backend=bwrap")
-        self._view = self._base / "view"  # mount point of the per-exec tmpfs root (private to the exec)
-        self._view.mkdir(mode=0o700)
+        # The skeleton: root-owned, 0755, and read-only once pivoted into. Making it here in Python
+        # saves each exec a few dozen mkdir/ln processes.
+        self._view = view = self._base / "view"
+        view.mkdir(mode=0o755)
+        for kind, name, what in _host_view():
+            (view / name).mkdir() if kind == "dir" else (view / name).symlink_to(what)
+        for d in _python_dirs():
+            (view / d.lstrip("/")).mkdir(mode=0o755, parents=True, exist_ok=True)
+        for d in ("proc", "tmp", "dev/shm", ".old"):
+            (view / d).mkdir(mode=0o755, parents=True)
+        for n in self.DEV_NODES:
+            (view / "dev" / n).touch(mode=0o644)
+        (view / "dev" / "fd").symlink_to("/proc/self/fd")
+        for i, n in enumerate(("stdin", "stdout", "stderr")):
+            (view / "dev" / n).symlink_to(f"fd/{i}")
 
     def _script(self, cwd: str) -> str:
         q = shlex.quote
+        tops = self._writable_tops()
+        for top in tops:
+            (self._view / top).mkdir(mode=0o755, exist_ok=True)
         lines = ["set -e", f"NR={q(str(self._view))}",
-                 'mount -t tmpfs -o mode=0755,size=1m,nosuid,nodev clawrl-root "$NR"',
-                 # a non-recursive bind hides submounts (Docker's /etc/hosts ...): only what we chose
-                 'ro() { mkdir -p "$NR$2"; mount --bind "$1" "$NR$2"; '
-                 'mount -o remount,bind,ro,nosuid,nodev "$NR$2"; }']
+                 'mount --bind "$NR" "$NR"']  # pivot_root wants a mount point
+        # Non-recursive binds: submounts (Docker's /etc/hosts, ...) stay out, only what is chosen.
+        ro = "mount --bind -o ro,nosuid,nodev"
         for kind, name, what in _host_view():
-            lines.append(f"ro {q(what)} /{name}" if kind == "dir" else f'ln -s {q(what)} "$NR/{name}"')
+            if kind == "dir":
+                lines.append(f'{ro} {q(what)} "$NR/{name}"')
         for d in _python_dirs():
-            lines.append(f"ro {q(d)} {q(d)}")
-        for top in self._writable_tops():
-            lines.append(f'mkdir -p "$NR/{top}"; mount --bind {q(str(self.root / top))} "$NR/{top}"')
-        if "tmp" not in self._writable_tops():
-            lines.append('mkdir -p "$NR/tmp"; mount -t tmpfs -o mode=1777,nosuid,nodev clawrl-tmp "$NR/tmp"')
+            lines.append(f'{ro} {q(d)} "$NR"{q(d)}')
+        for top in tops:
+            lines.append(f'mount --bind -o nosuid,nodev {q(str(self.root / top))} "$NR/{top}"')
+        if "tmp" not in tops:
+            lines.append('mount -t tmpfs -o mode=1777,nosuid,nodev clawrl-tmp "$NR/tmp"')
         lines += [
-            'mkdir "$NR/proc"; mount -t proc -o nosuid,nodev,noexec proc "$NR/proc"',
-            'mkdir "$NR/dev"; mount -t tmpfs -o mode=0755,nosuid,size=64k clawrl-dev "$NR/dev"',
-            'for n in null zero full random urandom tty; do : > "$NR/dev/$n"; mount --bind "/dev/$n" "$NR/dev/$n"; done',
-            'ln -s /proc/self/fd "$NR/dev/fd"; ln -s fd/0 "$NR/dev/stdin"; ln -s fd/1 "$NR/dev/stdout"; '
-            'ln -s fd/2 "$NR/dev/stderr"',
-            'mkdir "$NR/dev/shm"; mount -t tmpfs -o mode=1777,nosuid,nodev clawrl-shm "$NR/dev/shm"',
+            'mount -t proc -o nosuid,nodev,noexec proc "$NR/proc"',  # this pid namespace's processes only
+            f'for n in {" ".join(self.DEV_NODES)}; do mount --bind "/dev/$n" "$NR/dev/$n"; done',
+            'mount -t tmpfs -o mode=1777,nosuid,nodev clawrl-shm "$NR/dev/shm"',
             _loopback_up(),
-            'mkdir "$NR/.old"; cd "$NR"; pivot_root . .old; cd /',
-            "umount -l /.old; rmdir /.old",  # the host's tree is gone from this namespace
-            "mount -o remount,ro /",
+            'cd "$NR"; pivot_root . .old; cd /',
+            "umount -l /.old",  # the host's tree is gone from this namespace
+            "mount -o remount,bind,ro /",
             "hostname sandbox",
             f"cd {q(cwd)}",
             "set +e",
