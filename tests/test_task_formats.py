@@ -55,6 +55,7 @@ def test_a_mixed_directory_lists_every_task_with_its_own_format_and_split():
         ("harbor-needs-network", "train", "harbor"),
         ("harbor-own-image", "test", "harbor"),
         ("harbor-reward-json", "test", "harbor"),
+        ("harbor-uv-template", "test", "harbor"),
         ("harbor-word-count", "train", "harbor"),
         ("add-9-9", "test", "rows"),
         ("add-2-3", "train", "rows"),
@@ -272,6 +273,16 @@ def test_tb1_run_tests_that_fetch_their_tools_fall_back_to_the_hosts_pytest(sand
                              "host's pytest ran the tests)")
     nop = episode(sandbox_cfg, s, oracle=False)
     assert (nop.reward, nop.success, nop.passed, nop.total) == (0.0, False, 0, 2)
+
+
+def test_harbor_template_test_sh_that_fetches_pytest_falls_back_to_the_hosts(sandbox_cfg):
+    s = spec("harbor-uv-template")
+    oracle = episode(sandbox_cfg, s, oracle=True)
+    assert (oracle.reward, oracle.success, oracle.passed, oracle.total) == (1.0, True, 2, 2)
+    assert oracle.detail == ("2 of 2 tests passed (test.sh fetches its test tools from the network; the host's "
+                             "pytest ran the tests)")
+    half = episode(sandbox_cfg, s, oracle=False, agent="seq 1 5 | tr '\\n' ' ' > numbers.txt")
+    assert (half.reward, half.success, half.passed, half.total) == (0.0, False, 1, 2)  # all or nothing, as test.sh
 
 
 def test_reward_json_gives_partial_credit_in_the_declared_workdir(sandbox_cfg):

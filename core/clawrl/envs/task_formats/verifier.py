@@ -7,10 +7,13 @@ is the verifier's reward.txt or reward.json, else (Terminal-Bench 1.0) the share
 reports passed. Success is reward >= 1, or every Terminal-Bench 1.0 test passed. A verifier that
 times out, writes no reward, or writes a malformed one gives reward 0 and says so in ``detail``.
 
-Terminal-Bench 1.0's usual run-tests.sh fetches its test tools first (curl the uv installer, ``uv
-pip install pytest``), which cannot work without network. When such a script leaves no pytest
-report, the tests are run with the host's own pytest instead (``python3 -m pytest -rA`` on
-/tests/test_outputs.py, or /tests), within the verifier time left, and ``detail`` says so.
+The usual test scripts of both formats (Terminal-Bench 1.0's run-tests.sh, Harbor's template
+tests/test.sh) fetch their test tools first (curl the uv installer, ``uv pip install pytest``,
+``uvx pytest``), which cannot work without network. When such a script leaves no pytest report,
+the tests are run with the host's own pytest instead (``python3 -m pytest -rA`` on
+/tests/test_outputs.py, or /tests), within the verifier time left; the reward is what the script
+would have made of that run (tb1: the share passed; Harbor's template: 1 if all passed, else 0)
+and ``detail`` says so.
 
 ``run_oracle`` copies the solution to /solution and runs it from the working directory, within the
 agent's time limit: the reference for "the task can be solved here".
@@ -20,6 +23,7 @@ from __future__ import annotations
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from clawrl.envs.base import EnvError
@@ -56,6 +60,8 @@ async def verify(spec: TerminalTaskSpec, sandbox: Sandbox) -> Verdict:
     if result.timed_out:
         return Verdict(0.0, False, passed, total,
                        f"the verifier timed out after {spec.verifier_timeout_s:g} s ({spec.test_command})")
+    if counts is None and _fetches_pytest(spec):
+        return await _verify_with_host_pytest(spec, sandbox, spec.verifier_timeout_s - (time.monotonic() - start))
     try:
         found = await _reward_file(sandbox)
     except RewardFileError as e:
@@ -63,26 +69,13 @@ async def verify(spec: TerminalTaskSpec, sandbox: Sandbox) -> Verdict:
     if found is not None:
         name, reward = found
         return Verdict(reward, reward >= 1.0, passed, total, f"{name} says {reward:g}")
-    note = ""
-    if counts is None and spec.format == TB1 and spec.parser == "pytest" and _fetches_tools(spec):
-        left = spec.verifier_timeout_s - (time.monotonic() - start)
-        if left <= 0:
-            return Verdict(0.0, False, None, None, f"the verifier timed out after {spec.verifier_timeout_s:g} s "
-                           f"(run-tests.sh, which fetches its test tools from the network)")
-        result = await _host_pytest(spec, sandbox, left)
-        counts = parse_pytest(result.stdout + "\n" + result.stderr)
-        passed, total = (counts.passed, counts.total) if counts else (None, None)
-        if result.timed_out:
-            return Verdict(0.0, False, passed, total,
-                           f"the verifier timed out after {spec.verifier_timeout_s:g} s (the host's pytest)")
-        note = " (run-tests.sh fetches its test tools from the network; the host's pytest ran the tests)"
     if spec.format == TB1 and spec.parser == "pytest":
         if counts is None or counts.total == 0:
             return Verdict(0.0, False, passed, total, f"no pytest report in the test output (exit code "
                            f"{result.returncode}): {_last_words(result)}")
         reward = counts.passed / counts.total
         return Verdict(reward, counts.passed == counts.total, passed, total,
-                       f"{counts.passed} of {counts.total} tests passed{note}")
+                       f"{counts.passed} of {counts.total} tests passed")
     return Verdict(0.0, False, passed, total,
                    f"{spec.test_command} wrote no {VERIFIER_LOGS}/reward.txt or reward.json (exit code "
                    f"{result.returncode}): {_last_words(result)}")
@@ -107,20 +100,44 @@ async def run_oracle(spec: TerminalTaskSpec, sandbox: Sandbox) -> ExecResult:
     return await sandbox.exec(["bash", script], timeout_s=spec.agent_timeout_s)
 
 
-async def _host_pytest(spec: TerminalTaskSpec, sandbox: Sandbox, timeout_s: float) -> ExecResult:
-    """Run the task's tests with the host's pytest, as Terminal-Bench's template would with its own."""
+async def _verify_with_host_pytest(spec: TerminalTaskSpec, sandbox: Sandbox, left_s: float) -> Verdict:
+    """The tests of a task whose script fetches pytest from the network, run with the host's pytest.
+    The reward is what the script would have made of the run: Terminal-Bench 1.0's share of tests
+    passed; Harbor's template test.sh writes 1 when pytest passes and 0 otherwise."""
+    why = f"{_test_script(spec).name} fetches its test tools from the network; the host's pytest ran the tests"
+    if left_s <= 0:
+        return Verdict(0.0, False, None, None, f"the verifier timed out after {spec.verifier_timeout_s:g} s ({why})")
     has_outputs = spec.tests_dir is not None and (spec.tests_dir / "test_outputs.py").is_file()
     target = f"{TESTS_DIR}/test_outputs.py" if has_outputs else TESTS_DIR
-    return await sandbox.exec(["python3", "-m", "pytest", "-rA", "-p", "no:cacheprovider", target],
-                              env=spec.test_env, timeout_s=timeout_s)
+    result = await sandbox.exec(["python3", "-m", "pytest", "-rA", "-p", "no:cacheprovider", target],
+                                env=spec.test_env, timeout_s=left_s)
+    counts = parse_pytest(result.stdout + "\n" + result.stderr)
+    passed, total = (counts.passed, counts.total) if counts else (None, None)
+    if result.timed_out:
+        return Verdict(0.0, False, passed, total, f"the verifier timed out after {spec.verifier_timeout_s:g} s ({why})")
+    if counts is None or counts.total == 0:
+        return Verdict(0.0, False, passed, total, f"no pytest report ({why}): {_last_words(result)}")
+    all_passed = counts.passed == counts.total
+    reward = counts.passed / counts.total if spec.format == TB1 else float(all_passed)
+    return Verdict(reward, all_passed, passed, total, f"{counts.passed} of {counts.total} tests passed ({why})")
 
 
-def _fetches_tools(spec: TerminalTaskSpec) -> bool:
-    """Whether the task's run-tests.sh installs things from the network (curl, uv, pip, apt-get)."""
+def _test_script(spec: TerminalTaskSpec) -> Path:
+    """The script test_command runs: tb1's run-tests.sh, Harbor's tests/test.sh."""
     for f in spec.extra_test_files:
-        if f.name == "run-tests.sh" and FETCHES.search(f.read_text(errors="replace")):
-            return True
-    return False
+        if f.name == "run-tests.sh":
+            return f
+    return (spec.tests_dir or spec.path / "tests") / "test.sh"
+
+
+def _fetches_pytest(spec: TerminalTaskSpec) -> bool:
+    """Whether the task's test script installs its tools from the network (curl, uv, pip, apt-get)
+    to run pytest, which no sandbox here can do."""
+    script = _test_script(spec)
+    if not script.is_file():
+        return False
+    text = script.read_text(errors="replace")
+    return "pytest" in text and FETCHES.search(text) is not None
 
 
 def _clear(sandbox: Sandbox, path: str) -> None:
