@@ -316,3 +316,22 @@ def test_a_dockerfile_whose_packages_are_all_here_builds(sandbox_cfg, tmp_path):
                        "RUN apt-get clean\n")
     _, r, _, _ = prepared(sandbox_cfg, task, "cat built.txt")
     assert r.stdout == "built\n"
+
+
+def test_a_link_out_of_the_build_context_is_never_read(tmp_path):
+    task = harbor_task(tmp_path, "FROM debian\nWORKDIR /app\nCOPY conf/ /app/conf/\n", files={"conf/a.txt": "a"})
+    (task / "environment" / "conf" / "stolen").symlink_to("/etc/hostname")
+    assert "conf/stolen links outside the build context" in refusal(task)
+
+
+def test_the_build_limit_covers_the_whole_build(sandbox_cfg, tmp_path):
+    task = harbor_task(tmp_path, "FROM debian\nWORKDIR /app\nRUN sleep 0.6\nRUN sleep 0.6\nRUN echo late\n",
+                       toml="[environment]\nbuild_timeout_sec = 1.0\n")
+    spec, _ = read_harbor(task)
+
+    async def go():
+        async with open_sandbox(sandbox_cfg) as sandbox:
+            with pytest.raises(TaskRefused) as e:
+                await prepare_environment(spec, sandbox)
+            return str(e.value)
+    assert asyncio.run(go()) == "t: Dockerfile:4: RUN sleep 0.6: ran past the build limit of 1 s"

@@ -348,7 +348,10 @@ def _copy_step(ins: Instruction, at: str, scope: dict[str, str], workdir: str, c
         if p.is_dir():  # a directory's contents, not the directory itself, as in Docker
             dirs.append(dest)
             for sub in sorted(p.rglob("*")):
-                if _excluded(sub.resolve(), root, hidden, ignore_rules):
+                real = sub.resolve()
+                if real != root and root not in real.parents:  # a link out of the context: never read
+                    raise TaskRefused(f"{at}: {sub.relative_to(root)} links outside the build context {context}")
+                if _excluded(real, root, hidden, ignore_rules):
                     continue
                 target = f"{dest.rstrip('/')}/{sub.relative_to(p).as_posix()}"
                 if sub.is_dir():

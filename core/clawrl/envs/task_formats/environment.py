@@ -20,6 +20,7 @@ import logging
 import re
 import tarfile
 import tempfile
+import time
 from pathlib import Path, PurePosixPath
 
 from clawrl.envs.sandbox import SYSTEM_TOP, Sandbox, SandboxError
@@ -44,6 +45,7 @@ async def prepare_environment(spec: TerminalTaskSpec, sandbox: Sandbox) -> Envir
     """Build ``spec``'s environment in ``sandbox`` and make its ENV and WORKDIR the sandbox's;
     TaskRefused (one line) when the host cannot. Returns the plan it followed."""
     plan = plan_environment(spec, base_env=sandbox.env)
+    deadline = time.monotonic() + spec.build_timeout_s  # the whole build's limit, as Harbor's build_timeout_sec
     for step in plan.steps:
         try:
             if isinstance(step, WorkdirStep):
@@ -51,7 +53,10 @@ async def prepare_environment(spec: TerminalTaskSpec, sandbox: Sandbox) -> Envir
             elif isinstance(step, CopyStep):
                 await _copy(sandbox, step)
             elif isinstance(step, RunStep):
-                await _run(sandbox, step, spec.build_timeout_s)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TaskRefused(f"{step.at}: not reached within the build limit of {spec.build_timeout_s:g} s")
+                await _run(sandbox, step, left, spec.build_timeout_s)
         except TaskRefused as e:
             raise TaskRefused(f"{spec.task_id}: {e}") from None
         except SandboxError as e:
@@ -69,7 +74,7 @@ async def make_dirs(sandbox: Sandbox, paths: list[str]) -> None:
         return
     for top in {p.strip("/").split("/")[0] for p in paths}:
         sandbox.add_writable("/" + top)
-    result = await sandbox.exec(["mkdir", "-p", "--", *paths], cwd="/tmp")
+    result = await sandbox.exec(["mkdir", "-p", "--", *paths], cwd="/")
     if result.returncode != 0:
         raise SandboxError(f"mkdir -p failed: {_last_words(result.stderr or result.stdout)}")
 
@@ -117,7 +122,7 @@ async def _unpack(sandbox: Sandbox, archive: Path, dest: str, chmod: int | None)
             await sandbox.exec(["chmod", "-R", format(chmod, "o"), dest])
 
 
-async def _run(sandbox: Sandbox, step: RunStep, timeout_s: float) -> None:
+async def _run(sandbox: Sandbox, step: RunStep, timeout_s: float, limit_s: float) -> None:
     command = step.command
     if isinstance(command, str):
         command, dropped = drop_satisfied(command)
@@ -131,7 +136,7 @@ async def _run(sandbox: Sandbox, step: RunStep, timeout_s: float) -> None:
         sandbox.add_writable("/" + top)
     result = await sandbox.exec(command, cwd=step.cwd, env=step.env, timeout_s=timeout_s)
     if result.timed_out:
-        raise TaskRefused(f"{step.at}: ran past the build limit of {timeout_s:.0f} s")
+        raise TaskRefused(f"{step.at}: ran past the build limit of {limit_s:g} s")
     if result.returncode != 0:
         why = " (it fetches from the network, and the sandbox has none)" if FETCHES.search(text) else ""
         raise TaskRefused(f"{step.at}: failed with exit code {result.returncode}{why}: "
