@@ -268,7 +268,7 @@ class Sandbox(abc.ABC):
             os.close(rfd)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            os.fchmod(f.fileno(), mode)
+            os.fchmod(f.fileno(), mode & 0o1777)  # never setuid/setgid: clawrl may be root
 
     def _read(self, path: str) -> bytes:
         parts = self._resolve(path)
@@ -477,7 +477,7 @@ class _NamespacedSandbox(Sandbox):
                         os.kill(int(p), sig)
                     except ProcessLookupError:
                         pass
-        if sig == signal.SIGKILL:
+        if sig == signal.SIGKILL and proc.returncode is None:  # not reaped yet: the pid is still its
             try:
                 os.kill(proc.pid, sig)  # its death SIGKILLs the namespace's init, and so the namespace
             except ProcessLookupError:
@@ -617,7 +617,11 @@ class SubprocessSandbox(Sandbox):
         return self.limits.prlimit_argv(with_nproc=False) + argv
 
     def _host_env(self, env: dict[str, str]) -> dict[str, str]:
-        return {**env, "HOME": str(self.host_path(env.get("HOME", self.workdir)))}
+        try:
+            home = self.host_path(env.get("HOME", self.workdir))
+        except SandboxError:  # a HOME outside the writable dirs: the workdir's host path instead
+            home = self.host_path(self.workdir)
+        return {**env, "HOME": str(home)}
 
     def _host_cwd(self, cwd: str) -> str:
         return str(self.host_path(cwd))
@@ -668,7 +672,10 @@ def open_sandbox(cfg: SandboxConfig, *, env: dict[str, str] | None = None, workd
                  memory_mb: int | None = None, network: bool = False) -> Sandbox:
     """A new sandbox with the backend ``cfg.backend`` names (auto: bwrap, then unshare; the
     unisolated subprocess backend only when ``cfg.allow_unisolated``). ``memory_mb``/``cpus`` from a
-    task tighten the configured limits; ``network=True`` is refused (no backend here has any)."""
+    task tighten the configured limits; ``network=True`` is refused (no backend here has any).
+
+    The first open of each backend in a process runs one probe command synchronously (tens of ms),
+    so that a backend that exists but cannot work here is refused once, with its reason."""
     if network:
         raise SandboxError("the task needs network access, which no sandbox backend here provides")
     if cpus is not None and cpus <= 0:
