@@ -267,12 +267,12 @@ def test_tb1_reward_is_the_share_of_pytest_tests_passed(sandbox_cfg):
 
 def test_tb1_run_tests_that_fetch_their_tools_fall_back_to_the_hosts_pytest(sandbox_cfg):
     s = spec("tb1-uv-template")
-    oracle = episode(sandbox_cfg, s, oracle=True)
-    assert (oracle.reward, oracle.success, oracle.passed, oracle.total) == (1.0, True, 2, 2)
-    assert oracle.detail == ("2 of 2 tests passed (run-tests.sh fetches its test tools from the network; the "
+    oracle = episode(sandbox_cfg, s, oracle=True)  # the two files run-tests.sh names; not test_not_run.py
+    assert (oracle.reward, oracle.success, oracle.passed, oracle.total) == (1.0, True, 3, 3)
+    assert oracle.detail == ("3 of 3 tests passed (run-tests.sh fetches its test tools from the network; the "
                              "host's pytest ran the tests)")
     nop = episode(sandbox_cfg, s, oracle=False)
-    assert (nop.reward, nop.success, nop.passed, nop.total) == (0.0, False, 0, 2)
+    assert (nop.reward, nop.success, nop.passed, nop.total) == (0.0, False, 0, 3)
 
 
 def test_harbor_template_test_sh_that_fetches_pytest_falls_back_to_the_hosts(sandbox_cfg):

@@ -20,6 +20,7 @@ agent's time limit: the reference for "the task can be solved here".
 """
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -107,9 +108,7 @@ async def _verify_with_host_pytest(spec: TerminalTaskSpec, sandbox: Sandbox, lef
     why = f"{_test_script(spec).name} fetches its test tools from the network; the host's pytest ran the tests"
     if left_s <= 0:
         return Verdict(0.0, False, None, None, f"the verifier timed out after {spec.verifier_timeout_s:g} s ({why})")
-    has_outputs = spec.tests_dir is not None and (spec.tests_dir / "test_outputs.py").is_file()
-    target = f"{TESTS_DIR}/test_outputs.py" if has_outputs else TESTS_DIR
-    result = await sandbox.exec(["python3", "-m", "pytest", "-rA", "-p", "no:cacheprovider", target],
+    result = await sandbox.exec(["python3", "-m", "pytest", "-rA", "-p", "no:cacheprovider", *_pytest_targets(spec)],
                                 env=spec.test_env, timeout_s=left_s)
     counts = parse_pytest(result.stdout + "\n" + result.stderr)
     passed, total = (counts.passed, counts.total) if counts else (None, None)
@@ -120,6 +119,16 @@ async def _verify_with_host_pytest(spec: TerminalTaskSpec, sandbox: Sandbox, lef
     all_passed = counts.passed == counts.total
     reward = counts.passed / counts.total if spec.format == TB1 else float(all_passed)
     return Verdict(reward, all_passed, passed, total, f"{counts.passed} of {counts.total} tests passed ({why})")
+
+
+_TEST_FILE = re.compile(r"(?:\$\{?TEST_DIR\}?|/tests)/([\w./-]+\.py)\b")
+
+
+def _pytest_targets(spec: TerminalTaskSpec) -> list[str]:
+    """The test files the script hands pytest ($TEST_DIR/test_outputs.py ...), else all of /tests."""
+    names = dict.fromkeys(_TEST_FILE.findall(_test_script(spec).read_text(errors="replace")))
+    found = [f"{TESTS_DIR}/{n}" for n in names if spec.tests_dir is not None and (spec.tests_dir / n).is_file()]
+    return found or [TESTS_DIR]
 
 
 def _test_script(spec: TerminalTaskSpec) -> Path:
