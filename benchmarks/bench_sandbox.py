@@ -4,7 +4,8 @@ plain subprocess that runs the same command with no sandbox at all.
 - start + first exec: ``open_sandbox`` (claim a uid slot, make the tree; the once-per-process probe
   of the backend is excluded by a warm-up open) plus the first ``exec(["true"])``, then ``close``
   timed separately;
-- per exec: ``exec(["true"])`` and ``exec(["python3", "-c", "pass"])`` in one open sandbox.
+- per exec: ``exec(["true"])`` and ``exec([python3, "-c", "pass"])`` in one open sandbox (the
+  running interpreter's python3, by absolute path, inside and out).
 
 Each figure is the median of ``--runs`` runs; the ratio is against the median of the plain
 ``asyncio.create_subprocess_exec`` of the same command (for start + first exec: of ``true``). The
@@ -17,15 +18,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 
 from clawrl.config import SandboxConfig
-from clawrl.envs.sandbox import BACKENDS, SandboxError, open_sandbox
+from clawrl.envs.sandbox import BACKENDS, Sandbox, SandboxError, open_sandbox
 
-COMMANDS = {"true": ["true"], "python3 -c pass": ["python3", "-c", "pass"]}
+# The same python3 binary inside and outside (the sandbox mounts the running Python's environment);
+# a bare "python3" could be a pyenv shim script outside.
+PYTHON = os.path.join(os.path.dirname(os.path.realpath(sys.executable)), "python3")
+COMMANDS = {"true": ["true"], "python3 -c pass": [PYTHON, "-c", "pass"]}
+FIGURES = ("start+first exec", "close", *COMMANDS)
 
 
 async def _plain(argv: list[str]) -> float:
@@ -38,45 +44,55 @@ async def _plain(argv: list[str]) -> float:
     return time.perf_counter() - t
 
 
-async def bench_backend(cfg: SandboxConfig, runs: int) -> dict[str, float]:
-    """Median seconds of start + first exec, close, and each command's exec, in ``cfg.backend``."""
-    await open_sandbox(cfg).close()  # the once-per-process probe, outside the timings
-    starts, closes = [], []
-    for _ in range(runs):
-        t = time.perf_counter()
-        sb = open_sandbox(cfg)
-        r = await sb.exec(["true"])
-        starts.append(time.perf_counter() - t)
-        if r.returncode != 0:
-            raise RuntimeError(f"{cfg.backend}: true exited {r.returncode}: {r.stderr.strip()}")
-        t = time.perf_counter()
-        await sb.close()
-        closes.append(time.perf_counter() - t)
-    out = {"start+first exec": statistics.median(starts), "close": statistics.median(closes)}
-    async with open_sandbox(cfg) as sb:
-        for name, argv in COMMANDS.items():
-            times = []
-            for _ in range(runs):
-                r = await sb.exec(argv)
-                if r.returncode != 0:
-                    raise RuntimeError(f"{cfg.backend}: {name} exited {r.returncode}: {r.stderr.strip()}")
-                times.append(r.duration_s)
-            out[name] = statistics.median(times)
-    return out
+async def _checked(sb: Sandbox, argv: list[str]) -> float:
+    r = await sb.exec(argv)
+    if r.returncode != 0:
+        raise RuntimeError(f"{sb.backend}: {argv} exited {r.returncode}: {r.stderr.strip()}")
+    return r.duration_s
 
 
-async def main_async(args) -> dict:
-    plain = {name: statistics.median([await _plain(argv) for _ in range(args.runs)])
-             for name, argv in COMMANDS.items()}
-    results = {"plain subprocess": {"start+first exec": plain["true"], "close": 0.0, **plain}}
+async def _start(cfg: SandboxConfig) -> tuple[float, float]:
+    """Seconds of open + first exec, and of close."""
+    t = time.perf_counter()
+    sb = open_sandbox(cfg)
+    await _checked(sb, ["true"])
+    started = time.perf_counter() - t
+    t = time.perf_counter()
+    await sb.close()
+    return started, time.perf_counter() - t
+
+
+async def main_async(args) -> dict[str, dict[str, float]]:
+    """Median seconds per backend and figure. Runs interleave the backends, so that load from
+    elsewhere on the machine falls on all of them alike."""
+    samples: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as root:
+        open_boxes: dict[str, Sandbox] = {}
         for backend in args.backends.split(","):
             cfg = SandboxConfig(backend=backend, allow_unisolated=backend == "subprocess", root=root)
             try:
-                results[backend] = await bench_backend(cfg, args.runs)
+                await open_sandbox(cfg).close()  # the once-per-process probe, outside the timings
+                open_boxes[backend] = open_sandbox(cfg)
             except SandboxError as e:
                 print(f"{backend}: skipped ({e})", file=sys.stderr)
-    return results
+        try:
+            for _ in range(args.runs):
+                plain = samples.setdefault("plain subprocess", {f: [] for f in FIGURES})
+                for name, argv in COMMANDS.items():
+                    plain[name].append(await _plain(argv))
+                plain["start+first exec"].append(plain["true"][-1])
+                plain["close"].append(0.0)
+                for backend, sb in open_boxes.items():
+                    s = samples.setdefault(backend, {f: [] for f in FIGURES})
+                    started, closed = await _start(sb.sandbox_cfg)
+                    s["start+first exec"].append(started)
+                    s["close"].append(closed)
+                    for name, argv in COMMANDS.items():
+                        s[name].append(await _checked(sb, argv))
+        finally:
+            for sb in open_boxes.values():
+                await sb.close()
+    return {b: {f: statistics.median(v) for f, v in figs.items()} for b, figs in samples.items()}
 
 
 def main() -> None:
@@ -87,7 +103,7 @@ def main() -> None:
     args = p.parse_args()
     results = asyncio.run(main_async(args))
     base = results["plain subprocess"]
-    cols = ["start+first exec", "close", *COMMANDS]
+    cols = list(FIGURES)
     print(f"medians of {args.runs} runs, ms (x plain subprocess)")
     print("| backend | " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * len(cols))
