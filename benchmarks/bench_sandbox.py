@@ -11,7 +11,10 @@ Each figure is the median of ``--runs`` runs; the ratio is against the median of
 ``asyncio.create_subprocess_exec`` of the same command (for start + first exec: of ``true``). The
 subprocess backend (no isolation) is included to show the cost of the wrappers (prlimit) alone.
 
-    python benchmarks/bench_sandbox.py [--runs 30] [--backends bwrap,unshare,subprocess] [--json]
+Last, ``--concurrent`` sandboxes per backend open, run ``sleep 1`` and close all at once: the wall
+time (1 s would be perfect overlap).
+
+    python benchmarks/bench_sandbox.py [--runs 30] [--backends bwrap,unshare,subprocess] [--concurrent 16] [--json]
 """
 from __future__ import annotations
 
@@ -95,13 +98,37 @@ async def main_async(args) -> dict[str, dict[str, float]]:
     return {b: {f: statistics.median(v) for f, v in figs.items()} for b, figs in samples.items()}
 
 
+async def concurrent_wall(backends: list[str], n: int) -> dict[str, float]:
+    """Wall seconds for ``n`` sandboxes of each backend to run ``sleep 1`` at once (1.0 is perfect
+    overlap; each sandbox is opened and closed inside the timing)."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as root:
+        for backend in backends:
+            cfg = SandboxConfig(backend=backend, allow_unisolated=backend == "subprocess", root=root)
+            try:
+                await open_sandbox(cfg).close()
+            except SandboxError:
+                continue
+
+            async def one() -> None:
+                async with open_sandbox(cfg) as sb:
+                    await _checked(sb, ["sleep", "1"])
+
+            t = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(n)))
+            out[backend] = time.perf_counter() - t
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=30, help="runs per figure (medians)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated sandbox backends")
+    p.add_argument("--concurrent", type=int, default=16, help="sandboxes running sleep 1 at once")
     p.add_argument("--json", action="store_true", help="print the results as one JSON line too")
     args = p.parse_args()
     results = asyncio.run(main_async(args))
+    walls = asyncio.run(concurrent_wall(args.backends.split(","), args.concurrent))
     base = results["plain subprocess"]
     cols = list(FIGURES)
     print(f"medians of {args.runs} runs, ms (x plain subprocess)")
@@ -111,8 +138,11 @@ def main() -> None:
         cells = [f"{r[c] * 1e3:.1f}" + (f" ({r[c] / base[c]:.1f}x)" if base[c] and c != "close" else "")
                  for c in cols]
         print(f"| {backend} | " + " | ".join(cells) + " |")
+    print(f"{args.concurrent} sandboxes open, run sleep 1 and close, all at once: "
+          + ", ".join(f"{b} {w:.2f} s" for b, w in walls.items()))
     if args.json:
-        print(json.dumps({b: {k: round(v, 6) for k, v in r.items()} for b, r in results.items()}))
+        print(json.dumps({"medians": {b: {k: round(v, 6) for k, v in r.items()} for b, r in results.items()},
+                          "concurrent_wall_s": {b: round(w, 3) for b, w in walls.items()}}))
 
 
 if __name__ == "__main__":
