@@ -20,6 +20,7 @@ import pytest
 
 from clawrl.config import SandboxConfig
 from clawrl.envs import sandbox as sandbox_mod
+from clawrl.envs import sandbox_slots
 from clawrl.envs.base import EnvError
 from clawrl.envs.sandbox import SandboxError, open_sandbox
 from clawrl.envs.sandbox_slots import claim_slot, pids_of_uid
@@ -446,3 +447,27 @@ def test_slots_are_never_shared(tmp_path):
     finally:
         a.release()
         b.release()
+
+
+def test_not_root_every_sandbox_shares_the_users_uid_and_unshare_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(sandbox_slots.os, "geteuid", lambda: 4242)
+    slot = claim_slot(61000, 4)
+    assert slot.shared and slot.uid == os.getuid()  # nothing claimed: the user's uid is unprivileged
+    with pytest.raises(SandboxError, match="unshare backend needs root"):
+        open_sandbox(SandboxConfig(backend="unshare", root=str(tmp_path)))
+
+
+def test_a_planted_slot_lock_dir_is_refused(monkeypatch, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("uid slots exist only as root")
+    planted = tmp_path / "slots"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)
+    monkeypatch.setattr(sandbox_slots, "SLOT_LOCK_DIR", planted)
+    with pytest.raises(EnvError, match="only root may write"):
+        claim_slot(62900, 2)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    monkeypatch.setattr(sandbox_slots, "SLOT_LOCK_DIR", link)
+    with pytest.raises(EnvError, match="only root may write"):
+        claim_slot(62900, 2)

@@ -16,6 +16,7 @@ import fcntl
 import os
 import pwd
 import signal
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -52,20 +53,32 @@ def _uid_taken_by_account(uid: int) -> bool:
         return False
 
 
+def _check_lock_dir() -> None:
+    """Make the lock directory, and refuse one that another user could have planted in /tmp (a
+    symlink, or a directory they own or may write): root would create files wherever it points."""
+    try:
+        SLOT_LOCK_DIR.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(SLOT_LOCK_DIR)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise EnvError(f"{SLOT_LOCK_DIR} is not a directory that only root may write; remove it")
+
+
 def claim_slot(uid_base: int, slots: int) -> UidSlot:
     """Claim a free uid from ``uid_base .. uid_base+slots-1`` (as root), or the caller's own uid
     (not root). Uids that belong to an account in /etc/passwd are skipped: clawrl kills whatever runs
     as a slot's uid, which must never be a real user's processes. EnvError when all are taken."""
     if os.geteuid() != 0:
         return UidSlot(uid=os.getuid(), gid=os.getgid(), index=0, shared=True)
-    SLOT_LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
+    _check_lock_dir()
     skipped = 0
     for index in range(slots):
         uid = uid_base + index
         if _uid_taken_by_account(uid):
             skipped += 1
             continue
-        fd = os.open(SLOT_LOCK_DIR / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(SLOT_LOCK_DIR / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
