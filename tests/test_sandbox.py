@@ -179,6 +179,7 @@ def test_fork_bomb_stays_within_max_procs(cfg):
     assert not r.timed_out, r
     # Unlimited, 10 rounds of fork() make 1024 processes; the limit held them at max_procs.
     assert 0 < most <= 24, most
+    print(f"fork bomb: at most {most} processes of uid {uid}")
     assert most >= 12, f"the bomb only reached {most} processes: did it run?"
     assert pids_of_uid(uid) == []
 
@@ -333,6 +334,19 @@ def test_env_cwd_home_and_stdin(cfg):
     assert r.stdout == "b a 1 /app /tmp\npiped", r
     # nothing of clawrl's own environment leaks in
     assert "PYTEST_CURRENT_TEST" not in leak.stdout and "CLAWRL_REQUIRE" not in leak.stdout
+
+
+def test_a_tasks_cpus_pin_it_and_its_files_belong_to_the_slot_uid(cfg):
+    async def go():
+        async with open_sandbox(cfg, cpus=0.5) as sb:
+            r = await sb.exec("nproc; stat -c %u /app /tmp; id -u; ls / ")
+            return r, sb.slot.uid
+
+    r, uid = run(go())
+    nproc, app_owner, tmp_owner, me, *top = r.stdout.split()
+    assert nproc == "1"  # ceil(0.5) CPU
+    assert app_owner == tmp_owner == me == str(uid)
+    assert "tree" not in top and "view" not in top  # clawrl's own layout stays outside
 
 
 def test_output_is_capped_keeping_the_tail(cfg):
