@@ -249,6 +249,21 @@ def test_close_kills_a_running_exec(cfg):
     assert left == [] and not root.exists()
 
 
+def test_a_cancelled_exec_leaves_nothing_running(cfg):
+    async def go():
+        async with open_sandbox(cfg) as sb:
+            task = asyncio.create_task(sb.exec("sleep 300 & sleep 300", timeout_s=60))
+            while len(pids_of_uid(sb.slot.uid)) < 2:
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return await _gone(sb.slot.uid, within_s=0.5), sb.slot.uid
+
+    left, uid = run(go())
+    assert left == [], f"processes of uid {uid} outlived a cancelled exec: {left}"
+
+
 def test_cpu_file_size_and_open_file_limits(cfg):
     cfg = replace(cfg, cpu_time_s=1, max_file_mb=1, max_open_files=32)
     many = ("import os\nfds = []\ntry:\n    for _ in range(100): fds.append(os.open('/dev/null', os.O_RDONLY))\n"
