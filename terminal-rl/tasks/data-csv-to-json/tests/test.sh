@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: parses users.json and compares it with the expected records, one check per record.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import json
 from pathlib import Path
 

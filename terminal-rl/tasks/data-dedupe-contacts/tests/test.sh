@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: the kept record per person (offsets decide Ada and Katherine), the order, the bad line.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import json
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: reads events.csv with the csv module; header, then each row as a dict.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import csv
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: spend.csv row by row against the expected join; full credit only for the exact table.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 from pathlib import Path
 exp = Path("/tests/expected.csv").read_text().splitlines()
 try:

@@ -2,7 +2,7 @@
 # Verifier: summary.json against the expected aggregates (numbers within half a cent); one check
 # per region, one for the months, one for the best month.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import json
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: backup.tar.gz is a gzip tar whose project/ members are exactly the non-log, non-cache files.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import gzip, tarfile
 from pathlib import Path
 

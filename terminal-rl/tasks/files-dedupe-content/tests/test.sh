@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: the surviving files are exactly one per distinct content, and removed.txt lists the rest.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 from pathlib import Path
 
 checks = []

@@ -2,7 +2,9 @@
 # Verifier: one new commit with the right message and tree on top of the old history; clean status.
 cd /app/repo 2>/dev/null || cd /app
 mkdir -p /logs/verifier
-export GIT_CONFIG_COUNT=1 GIT_CONFIG_KEY_0=safe.directory GIT_CONFIG_VALUE_0='*'
+# Only the repository's own config counts: no global or system config, no fsmonitor command.
+export HOME=$(mktemp -d) GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_COUNT=2 GIT_CONFIG_KEY_0=safe.directory \
+  GIT_CONFIG_VALUE_0='*' GIT_CONFIG_KEY_1=core.fsmonitor GIT_CONFIG_VALUE_1=false
 if ! git -C /app/repo rev-parse -q --verify HEAD >/dev/null 2>&1; then
   echo "FAIL /app/repo is no longer a git repository with commits"
   echo 0 > /logs/verifier/reward.txt

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: report.csv against the known statuses of the six checks.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 from pathlib import Path
 exp = ["check,exit_code", "config,1", "count,42", "disk,0", "signal,143", "strict,1", "tools,127"]
 try:

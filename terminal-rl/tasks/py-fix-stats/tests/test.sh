@@ -2,7 +2,7 @@
 # Verifier: feeds inputs that hit each bug (even median, mode ties, blanks, comments, empty input,
 # a bad line) and compares output, errors and exit status.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import subprocess
 from pathlib import Path
 

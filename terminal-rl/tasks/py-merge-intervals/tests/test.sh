@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: runs busy.py on new schedules (nesting, touching, unsorted, single) and on bad lines.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import subprocess, tempfile
 from pathlib import Path
 

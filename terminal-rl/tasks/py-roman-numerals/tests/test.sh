@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: conversions both ways (subtractive forms in every place) and the refusals.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import subprocess
 from pathlib import Path
 

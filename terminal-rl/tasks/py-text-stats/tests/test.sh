@@ -2,7 +2,7 @@
 # Verifier: runs the agent's script on fresh inputs (ASCII, Unicode, ties, empty, no final newline,
 # a missing file) and compares the parsed JSON.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 import json, subprocess, tempfile
 from pathlib import Path
 

@@ -2,7 +2,7 @@
 # Verifier: emails.txt equals the expected list; otherwise credit for the share of right addresses
 # minus wrong ones.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 from pathlib import Path
 exp = Path("/tests/expected.txt").read_text().split()
 try:

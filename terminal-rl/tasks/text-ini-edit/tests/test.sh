@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: one point per required edit, one for every other line unchanged; all or a share.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 from pathlib import Path
 
 checks = []

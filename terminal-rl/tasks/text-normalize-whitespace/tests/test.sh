@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: exact bytes of each .txt file after normalisation; the non-.txt files byte-identical.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 from pathlib import Path
 
 checks = []

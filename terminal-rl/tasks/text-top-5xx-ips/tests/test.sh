@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: the total line and the three ranked IP lines, a quarter of the reward each.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 from pathlib import Path
 exp = ["total 90", "10.0.0.7 16", "172.16.0.4 12", "10.0.1.3 11"]
 try:

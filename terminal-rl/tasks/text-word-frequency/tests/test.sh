@@ -1,7 +1,7 @@
 #!/bin/bash
 # Verifier: top10.txt equals the expected ranking; a share of correct lines otherwise.
 mkdir -p /logs/verifier
-python3 - <<'PY'
+python3 -I - <<'PY'
 from pathlib import Path
 exp = Path("/tests/expected.txt").read_text().splitlines()
 try:
