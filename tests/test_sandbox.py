@@ -500,3 +500,14 @@ def test_a_planted_slot_lock_dir_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox_slots, "SLOT_LOCK_DIR", link)
     with pytest.raises(EnvError, match="only root may write"):
         claim_slot(62900, 2)
+
+
+def test_stdin_the_command_never_reads_does_not_outlast_the_wall_clock(tmp_path):
+    cfg = SandboxConfig(backend="subprocess", allow_unisolated=True, root=str(tmp_path), kill_grace_s=0.2)
+
+    async def go():
+        async with open_sandbox(cfg) as sb:
+            return await sb.exec("sleep 30", stdin=b"x" * (4 << 20), timeout_s=0.5)
+
+    r = run(go())
+    assert r.timed_out and r.duration_s < 5, r

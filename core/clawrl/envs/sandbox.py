@@ -136,6 +136,15 @@ async def _drain(stream: asyncio.StreamReader, tail: _Tail) -> None:
         tail.add(chunk)
 
 
+async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        stream.write(data)
+        await stream.drain()
+        stream.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
 def _python_dirs() -> list[str]:
     """The Python environment's directories outside /usr (a venv's prefix and its base)."""
     out: list[str] = []
@@ -341,15 +350,10 @@ class Sandbox(abc.ABC):
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self._host_env(full_env),
             cwd=self._host_cwd(cwd), start_new_session=True)
         readers = [asyncio.create_task(_drain(proc.stdout, out)), asyncio.create_task(_drain(proc.stderr, err))]
+        if stdin is not None:  # fed alongside, so a command that never reads it still meets the wall clock
+            readers.append(asyncio.create_task(_feed(proc.stdin, stdin)))
         timed_out = False
         try:
-            if stdin is not None:
-                try:
-                    proc.stdin.write(stdin)
-                    await proc.stdin.drain()
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-                proc.stdin.close()
             try:
                 await asyncio.wait_for(proc.wait(), timeout)
             except asyncio.TimeoutError:
