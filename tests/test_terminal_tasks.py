@@ -128,6 +128,37 @@ def test_the_oracle_solves_every_task_and_doing_nothing_solves_none():
     assert not failures, "\n".join(failures)
 
 
+def _verdict_after(spec: TerminalTaskSpec, commands: list[str], oracle: bool = False):
+    """The verdicts before and after the oracle (if ``oracle``) and then ``commands`` (each a sandbox
+    exec, in order) on a fresh environment."""
+    async def go():
+        async with open_sandbox(SandboxConfig(backend="bwrap"), cpus=spec.cpus, memory_mb=spec.memory_mb) as sandbox:
+            await prepare_environment(spec, sandbox)
+            before = await verify(spec, sandbox)
+            if oracle:
+                assert (await run_oracle(spec, sandbox)).returncode == 0
+            for command in commands:
+                done = await sandbox.exec(command)
+                assert done.returncode == 0, (command, done.stderr)
+            return before, await verify(spec, sandbox)
+    return asyncio.run(go())
+
+
+def _task(task_id: str) -> TerminalTaskSpec:
+    [spec] = [s for _, s in suite() if s.task_id == task_id]
+    return spec
+
+
+def test_modules_the_agent_leaves_in_app_do_not_break_a_solved_tasks_verifier():
+    """The checkers run Python from /app, where a solution may well leave a json.py or csv.py of its
+    own; they run it isolated, so the solved task still earns full reward."""
+    skip_unless_available("bwrap")
+    spec = _task("data-csv-to-json")
+    plant = "for m in json csv pathlib; do echo 'raise SystemExit(9)' > /app/$m.py; done"
+    _, after = _verdict_after(spec, [plant], oracle=True)
+    assert after.reward == 1.0, after.detail
+
+
 @pytest.mark.parametrize("task_id", ["files-sort-by-extension", "git-resolve-merge"])
 def test_a_half_done_task_earns_partial_credit(task_id):
     """Rewards are shares of checks: a run that does part of the work lands strictly between the
@@ -139,15 +170,5 @@ def test_a_half_done_task_earns_partial_credit(task_id):
         "git-resolve-merge": "cd repo && { git merge feature; git checkout --theirs settings.py && "
                              "git add settings.py && git commit -q --no-edit; }",
     }[task_id]
-    [spec] = [s for _, s in suite() if s.task_id == task_id]
-
-    async def go():
-        async with open_sandbox(SandboxConfig(backend="bwrap"), cpus=spec.cpus, memory_mb=spec.memory_mb) as sandbox:
-            await prepare_environment(spec, sandbox)
-            before = await verify(spec, sandbox)
-            done = await sandbox.exec(half_done)
-            assert done.returncode == 0, done.stderr
-            return before, await verify(spec, sandbox)
-
-    before, after = asyncio.run(go())
+    before, after = _verdict_after(_task(task_id), [half_done])
     assert before.reward < after.reward < 1.0, (before.detail, after.detail)
