@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
 import socket
 import sys
 import time
@@ -511,3 +512,36 @@ def test_stdin_the_command_never_reads_does_not_outlast_the_wall_clock(tmp_path)
 
     r = run(go())
     assert r.timed_out and r.duration_s < 5, r
+
+
+def test_all_slots_taken_is_a_clear_error(cfg):
+    cfg = replace(cfg, uid_base=62950, slots=1)
+    if os.geteuid() != 0:
+        pytest.skip("uid slots exist only as root")
+
+    async def go():
+        async with open_sandbox(cfg):
+            with pytest.raises(SandboxError, match="all 1 sandbox slots .* are in use"):
+                open_sandbox(cfg)
+        async with open_sandbox(cfg) as sb:  # closing freed it
+            return sb.slot.uid
+
+    assert run(go()) == 62950
+
+
+def test_loopback_comes_up_without_iproute2(monkeypatch, tmp_path):
+    problem = _problem("unshare")
+    skip_unless_available("unshare", reason=f"the unshare sandbox does not work here: {problem}",
+                          available=problem is None)
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **kw: None if name == "ip" else real_which(name, *a, **kw))
+    cfg = SandboxConfig(backend="unshare", root=str(tmp_path))
+    probe = ("import socket\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1)\n"
+             "socket.create_connection(s.getsockname(), timeout=3); print('OWN-LO-OK')\n")
+
+    async def go():
+        async with open_sandbox(cfg) as sb:
+            return await sb.exec(["python3", "-c", probe])
+
+    r = run(go())
+    assert r.returncode == 0 and "OWN-LO-OK" in r.stdout, r

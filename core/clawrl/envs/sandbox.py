@@ -642,7 +642,8 @@ class SubprocessSandbox(Sandbox):
 
 _CLASSES: dict[str, type[Sandbox]] = {"bwrap": BwrapSandbox, "unshare": UnshareSandbox,
                                       "subprocess": SubprocessSandbox}
-_TOOLS = {"bwrap": ("bwrap", "prlimit", "setpriv"), "unshare": ("unshare", "prlimit", "setpriv", "mount"),
+_TOOLS = {"bwrap": ("bwrap", "prlimit", "setpriv"),
+          "unshare": ("unshare", "prlimit", "setpriv", "mount", "umount", "pivot_root", "hostname"),
           "subprocess": ("prlimit",)}
 _probed: dict[str, Optional[str]] = {}  # backend -> None (works) or why not; once per process
 
