@@ -446,13 +446,14 @@ def test_without_isolation_clawrl_refuses_with_a_one_line_reason(monkeypatch, tm
 
 
 def test_plain_subprocess_backend_works_with_the_flag(tmp_path):
-    cfg = SandboxConfig(backend="subprocess", allow_unisolated=True, root=str(tmp_path), kill_grace_s=0.2)
+    cfg = SandboxConfig(backend="subprocess", allow_unisolated=True, root=str(tmp_path), kill_grace_s=0.2,
+                        exec_timeout_s=0.5)
 
     async def go():
         async with open_sandbox(cfg, env={"GREETING": "hi"}) as sb:
             await sb.write_file("/app/in.txt", "data\n")
             r = await sb.exec("cat in.txt; echo $GREETING > out.txt; echo $HOME")
-            slow = await sb.exec("sleep 30", timeout_s=0.5)
+            slow = await sb.exec("sleep 30")  # sandbox.exec_timeout_s is the default wall clock
             return r, await sb.read_file("/app/out.txt"), slow, sb.root
 
     r, out, slow, root = run(go())
