@@ -31,6 +31,11 @@ What every isolating exec gets, and why:
 Files are read and written from the host side (``sandbox_files``), resolving symlinks the way the
 sandbox would, so a link planted by the sandboxed process cannot redirect clawrl onto a host file.
 Execs are asyncio subprocesses: many sandboxes run at once without blocking the event loop.
+
+What it does not do (there are no cgroups or quotas to lean on here): a sandbox's total memory is
+bounded only by max_procs x memory_mb, its CPU share only by pinning (``cpus``), its disk use only
+per file (max_file_mb). The top-level directories of the system view and of the Python environment
+(/usr, /etc, ..., /root where pyenv lives) cannot be made writable.
 """
 from __future__ import annotations
 
@@ -468,7 +473,9 @@ class _NamespacedSandbox(Sandbox):
                 "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
 
     def _inner_argv(self, argv: list[str], env: dict[str, str]) -> list[str]:
-        """rlimits, CPU pinning, the uid drop, then exactly ``env``: each binary execs the next."""
+        """rlimits, CPU pinning, the uid drop, then exactly ``env``: each binary execs the next. The
+        environment comes last so that nothing a task sets (LD_PRELOAD naming a file it wrote)
+        reaches the steps that still run as root."""
         return (self.limits.prlimit_argv() + self.limits.taskset_argv(self.slot.index) + self._drop_argv()
                 + ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items())] + argv)
 
