@@ -546,3 +546,19 @@ def test_loopback_comes_up_without_iproute2(monkeypatch, tmp_path):
 
     r = run(go())
     assert r.returncode == 0 and "OWN-LO-OK" in r.stdout, r
+
+
+def test_a_backend_that_cannot_run_is_refused_once_with_its_own_reason(monkeypatch, tmp_path):
+    """The probe runs the real command line: here bwrap's is broken, as a kernel without namespaces
+    would break it, and the refusal carries bwrap's own words on one line."""
+    monkeypatch.setattr(sandbox_mod, "_probed", {"unshare": "unshare not found"})
+    real_argv = sandbox_mod.BwrapSandbox._argv
+    monkeypatch.setattr(sandbox_mod.BwrapSandbox, "_argv",
+                        lambda self, argv, env, cwd: real_argv(self, argv, env, cwd)[:1] + ["--no-such-option"])
+    if shutil.which("bwrap") is None:
+        pytest.skip("needs the bwrap binary to fail with its own message")
+    with pytest.raises(SandboxError) as e:
+        open_sandbox(SandboxConfig(root=str(tmp_path)))
+    assert "\n" not in str(e.value) and "bwrap: test command failed" in str(e.value)
+    assert "--no-such-option" in sandbox_mod._probed["bwrap"]
+    assert list(tmp_path.iterdir()) == []  # the failed sandbox left nothing behind

@@ -671,8 +671,9 @@ def _probe(backend: str, sandbox: Sandbox) -> Optional[str]:
                            capture_output=True, timeout=30, start_new_session=True)
         got = r.stdout.decode(errors="replace").split()
         want = [str(sandbox.slot.uid), "sandbox"]
+        said = " ".join(r.stderr.decode(errors="replace").split()) or " ".join(got)  # one line
         reason = None if r.returncode == 0 and got == want else \
-            f"test command failed (exit {r.returncode}): {(r.stderr.decode(errors='replace').strip() or got)!s:.200}"
+            f"test command failed (exit {r.returncode}): {said[:200]}"
     except (OSError, subprocess.TimeoutExpired) as e:
         reason = f"test command failed: {e}"
     _probed[backend] = reason
