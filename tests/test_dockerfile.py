@@ -16,7 +16,7 @@ from clawrl.envs.task_formats.dockerfile import (CopyStep, RunStep, WorkdirStep,
                                                  parse_dockerfile, plan_environment)
 from clawrl.envs.task_formats.environment import prepare_environment
 from clawrl.envs.task_formats.harbor import read_harbor
-from clawrl.envs.task_formats.packages import drop_satisfied
+from clawrl.envs.task_formats.packages import drop_satisfied, missing_packages
 from clawrl.envs.task_formats.spec import TaskRefused
 from clawrl.envs.task_formats.tb1 import read_tb1
 from tests.required_tools import skip_unless_available
@@ -237,7 +237,8 @@ def test_failing_run_line_refuses_the_task_naming_the_line_and_the_network(sandb
     message = asyncio.run(go())
     assert message.startswith("harbor-failing-run: Dockerfile:5: RUN apt-get update && apt-get install -y "
                               "--no-install-recommends cowsay-clawrl-missing: failed with exit code ")
-    assert "(it fetches from the network, and the sandbox has none)" in message
+    assert ("(it installs cowsay-clawrl-missing, which the host lacks, and the sandbox has no network to fetch "
+            "them)") in message
 
 
 def test_a_failing_plain_line_names_its_exit_code_and_last_words(sandbox_cfg, tmp_path):
@@ -308,6 +309,14 @@ def test_satisfied_installs_become_true_and_the_rest_of_the_line_stays():
 ])
 def test_lines_the_host_does_not_satisfy_run_as_written(line):
     assert drop_satisfied(line) == (line, [])
+
+
+def test_missing_packages_names_what_the_host_lacks():
+    skip_unless_available("dpkg-query", "not a Debian/Ubuntu host: every apt package counts as missing")
+    assert missing_packages("apt-get update && apt-get install -y bash clawrl-no-such-package && "
+                            "pip install --no-cache-dir pytest==0.0.1 clawrl-no-such-dist") == [
+        "clawrl-no-such-package", "pytest==0.0.1", "clawrl-no-such-dist"]
+    assert missing_packages("echo apt-get install nothing") == []
 
 
 def test_a_dockerfile_whose_packages_are_all_here_builds(sandbox_cfg, tmp_path):

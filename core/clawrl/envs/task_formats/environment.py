@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from clawrl.envs.sandbox import SYSTEM_TOP, Sandbox, SandboxError
 from clawrl.envs.task_formats.dockerfile import (CopyStep, EnvironmentPlan, RunStep, WorkdirStep,
                                                  plan_environment)
-from clawrl.envs.task_formats.packages import drop_satisfied
+from clawrl.envs.task_formats.packages import drop_satisfied, missing_packages
 from clawrl.envs.task_formats.spec import TaskRefused, TerminalTaskSpec
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,13 @@ async def _run(sandbox: Sandbox, step: RunStep, timeout_s: float, limit_s: float
     if result.timed_out:
         raise TaskRefused(f"{step.at}: ran past the build limit of {limit_s:g} s")
     if result.returncode != 0:
-        why = " (it fetches from the network, and the sandbox has none)" if FETCHES.search(text) else ""
+        lacking = missing_packages(text)
+        if lacking:
+            why = f" (it installs {', '.join(lacking)}, which the host lacks, and the sandbox has no network to fetch them)"
+        elif FETCHES.search(text):
+            why = " (it fetches from the network, and the sandbox has none)"
+        else:
+            why = ""
         raise TaskRefused(f"{step.at}: failed with exit code {result.returncode}{why}: "
                           f"{_last_words(result.stderr or result.stdout)}")
 

@@ -54,6 +54,30 @@ def drop_satisfied(command: str) -> tuple[str, list[str]]:
     return "".join(out), dropped
 
 
+def missing_packages(command: str) -> list[str]:
+    """The packages ``command``'s apt-get/pip install commands name that the host lacks (for the
+    refusal's message: what the task would have to fetch)."""
+    pieces = _split_top_level(command) or [(command, "")]
+    missing: list[str] = []
+    for piece, _ in pieces:
+        try:
+            words = shlex.split(piece)
+        except ValueError:
+            continue
+        while words and (_ASSIGNMENT.match(words[0]) or words[0] == "sudo"):
+            words = words[1:]
+        if not words:
+            continue
+        tool = words[0].rsplit("/", 1)[-1]
+        if tool in _APT and "install" in words:
+            names = [w for w in words[words.index("install") + 1:] if not w.startswith("-")]
+            missing += [n for n in names if re.fullmatch(r"[a-z0-9][a-z0-9+.:=~-]*", n) and not _deb_installed(n)]
+        elif (re.fullmatch(r"pip3?(\.\d+)?", tool) or tool == "uv" or words[1:3] == ["-m", "pip"]) and "install" in words:
+            specs = [w for w in words[words.index("install") + 1:] if not w.startswith("-")]
+            missing += [w for w in specs if Requirement is not None and not _dist_satisfied(w)]
+    return list(dict.fromkeys(missing))
+
+
 def _split_top_level(command: str) -> Optional[list[tuple[str, str]]]:
     """(command, separator after it) pairs split at top-level ``&&``, ``;`` and newlines; None when
     the line has top-level ``||``, ``&`` or anything this split cannot follow (heredocs, subshells
