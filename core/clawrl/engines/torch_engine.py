@@ -35,7 +35,7 @@ from clawrl.engines.hf_fallback import HFForward
 from clawrl.engines.loading import LoadedModel
 from clawrl.engines.prefix_cache import PrefixCache
 from clawrl.engines.ragged import RaggedForward, Segment, unsupported_reason
-from clawrl.engines.sampling import StopStringMatcher, sample_rows
+from clawrl.engines.sampling import StopStringMatcher, sample_rows, unpack
 from clawrl.engines.static_decode import StaticDecoder, default_capacity
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class TorchEngine(Engine):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        self._launched = None  # the static decoder's step whose tokens are not emitted yet
         self.steps = 0
 
     # ---------------------------------------------------------------- asyncio side
@@ -243,6 +244,8 @@ class TorchEngine(Engine):
                         self._step()
                         if not self._running:
                             self.runner.release()
+                if self._launched is not None and (self._paused or not self._running):
+                    self._collect()  # nothing more to launch: deliver what is in flight now
                 self._flush_outbox()
 
     def _apply(self, cmd) -> bool:
@@ -327,50 +330,62 @@ class TorchEngine(Engine):
         self._admit_decoders()
         segments, owners = self._plan()
         version = self.weight_version
-        sample_reqs: list[_Request] = []
-        parts: list[torch.Tensor] = []
-        if segments:
-            try:
-                logits = self.runner.forward(segments)
-            except Exception as e:  # keep serving others; these requests get a one-line error
-                log.exception("engine step failed")
-                for req in owners:
-                    self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
-                segments, owners = [], []
-            else:
-                rows, row = [], 0
-                for seg, req in zip(segments, owners):
-                    n = len(seg.logit_rows)
-                    if req.is_score:
-                        self._score_rows(req, seg, logits[row: row + n])
-                    elif n:
-                        sample_reqs.append(req)
-                        rows.append(row)
-                    row += n
-                if rows:
-                    parts.append(logits[torch.tensor(rows, device=logits.device)])
+        launched = None
         if self.decoder is not None and len(self.decoder):
-            members = list(self.decoder.members)
+            # first, so the device has this decode step queued while the host does the rest
             try:
-                parts.append(self.decoder.step([r.out_ids[-1] for r in members]))
-                sample_reqs += members
+                launched = self.decoder.launch()
+                launched.version = version
             except Exception as e:
                 log.exception("static decode step failed")
-                for req in members:
+                for req in list(self.decoder.members):
                     req.kv_version = -1  # its slot's KV is suspect: never cache it
                     self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
+        if segments:
+            self._eager_step(segments, owners, version)
+        self._collect()  # the previous decode step's tokens, read while this one runs
+        self._launched = launched
         self.steps += 1
-        if sample_reqs:
-            picked = parts[0] if len(parts) == 1 else torch.cat(parts)
-            draws = sample_rows(picked, [r.params for r in sample_reqs], [r.seed for r in sample_reqs],
-                                [len(r.out_ids) for r in sample_reqs])
-            for req, d in zip(sample_reqs, draws):
-                self._emit_token(req, d, version)
         for req in owners:
             if req.is_score and not req.prefilling and not req.done:
                 self._finish_score(req)
             elif not req.done and req.kv.length == len(req.feed):
                 self._remember(req.feed, req)  # others with this prompt may reuse it now
+
+    def _eager_step(self, segments: list[Segment], owners: list[_Request], version: int) -> None:
+        """Prefill chunks, scores and decoders outside the static decoder: one ragged forward."""
+        try:
+            logits = self.runner.forward(segments)
+        except Exception as e:  # keep serving others; these requests get a one-line error
+            log.exception("engine step failed")
+            for req in owners:
+                self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
+            return
+        sample_reqs, rows, row = [], [], 0
+        for seg, req in zip(segments, owners):
+            n = len(seg.logit_rows)
+            if req.is_score:
+                self._score_rows(req, seg, logits[row: row + n])
+            elif n:
+                sample_reqs.append(req)
+                rows.append(row)
+            row += n
+        if sample_reqs:
+            picked = logits[torch.tensor(rows, device=logits.device)]
+            draws = sample_rows(picked, [r.params for r in sample_reqs], [r.seed for r in sample_reqs],
+                                [len(r.out_ids) for r in sample_reqs])
+            for req, d in zip(sample_reqs, draws):
+                self._emit_token(req, d, version)
+
+    def _collect(self) -> None:
+        """Emit the tokens of the last launched decode step (waiting for them if needed)."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return
+        draws = unpack(launched.read(), launched.top_ns)
+        for req, d in zip(launched.members, draws):
+            if not req.done:  # one that finished (or was aborted) since just has its extra token dropped
+                self._emit_token(req, d, launched.version)
 
     def _admit_decoders(self) -> None:
         """Move generate requests whose prompt is in (and that fit a slot) into the static decoder."""
@@ -382,7 +397,7 @@ class TorchEngine(Engine):
                     or not dec.fits(len(req.feed) + req.params.max_new_tokens)):
                 continue
             self.runner.sync()  # it may have decoded on the ragged path: its own buffers first
-            dec.admit(req, req.kv)
+            dec.admit(req, req.kv, req.out_ids[-1], req.params, req.seed, len(req.out_ids))
             if len(dec) >= dec.slots:
                 return
 
