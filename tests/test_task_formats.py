@@ -301,9 +301,14 @@ def test_tests_are_absent_until_verify_and_planted_rewards_do_not_count(sandbox_
             look = await sandbox.exec("ls /tests /solution 2>&1; mkdir -p /logs/verifier; "
                                       "echo 1 > /logs/verifier/reward.txt; mkdir -p /tests; "
                                       "echo 'exit 0' > /tests/test.sh")
+            # a reward dir swapped for a link to a dir of the agent's: removed, never followed
+            await sandbox.exec("mkdir -p /app/mine && echo 1 > /app/mine/reward.json && rm -rf /logs/verifier && "
+                               "ln -s /app/mine /logs/verifier")
             verdict = await verify(s, sandbox)
-            return look, verdict
-    look, verdict = asyncio.run(go())
+            after = await sandbox.exec("test -L /logs/verifier && echo link; ls /logs/verifier /app/mine")
+            return look, verdict, after.stdout
+    look, verdict, after = asyncio.run(go())
+    assert after == "/app/mine:\nreward.json\n\n/logs/verifier:\nreward.txt\n"
     assert "cannot access '/tests': No such file or directory" in look.stdout
     assert "cannot access '/solution': No such file or directory" in look.stdout
     assert (verdict.reward, verdict.detail) == (0.0, "reward.txt says 0")  # the real test.sh ran
