@@ -351,3 +351,16 @@ def test_oracle_copies_only_the_solution_into_slash_solution(sandbox_cfg):
     script, listing = asyncio.run(go())
     assert script == "/solution/solution.sh"
     assert listing.splitlines()[0] == "solution.sh" and "No such file" in listing
+
+
+def test_the_unisolated_backend_is_refused_for_terminal_tasks():
+    cfg = SandboxConfig(backend="subprocess", allow_unisolated=True)
+
+    async def go():
+        async with open_sandbox(cfg) as sandbox:
+            with pytest.raises(TaskRefused) as e:
+                await prepare_environment(spec("harbor-word-count"), sandbox)
+            return str(e.value)
+    assert asyncio.run(go()).startswith("harbor-word-count: terminal tasks work in absolute paths (/app, /tests, "
+                                        "/logs/verifier), which sandbox.backend=subprocess would read and write on "
+                                        "the host itself")

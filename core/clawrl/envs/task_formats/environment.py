@@ -44,6 +44,10 @@ _NOT_CREATED = {"nix", "snap", "mnt", "media", "lost+found"}
 async def prepare_environment(spec: TerminalTaskSpec, sandbox: Sandbox) -> EnvironmentPlan:
     """Build ``spec``'s environment in ``sandbox`` and make its ENV and WORKDIR the sandbox's;
     TaskRefused (one line) when the host cannot. Returns the plan it followed."""
+    if sandbox.backend == "subprocess":
+        raise TaskRefused(f"{spec.task_id}: terminal tasks work in absolute paths (/app, /tests, /logs/verifier), "
+                          f"which sandbox.backend=subprocess would read and write on the host itself; use bwrap or "
+                          f"unshare")
     plan = plan_environment(spec, base_env=sandbox.env)
     deadline = time.monotonic() + spec.build_timeout_s  # the whole build's limit, as Harbor's build_timeout_sec
     for step in plan.steps:
