@@ -56,7 +56,7 @@ def test_help_config_lists_every_key_and_exits_0(cmd):
     assert set(all_keys()) <= listed
 
 
-@pytest.mark.parametrize("recipe", ["openclaw-combine", "openclaw-rl", "openclaw-opd"])
+@pytest.mark.parametrize("recipe", ["openclaw-combine", "openclaw-rl", "openclaw-opd", "terminal-rl"])
 def test_run_sh_passes_help_config_to_serve(recipe):
     out = subprocess.run(["bash", str(ROOT / recipe / "run.sh"), "--help-config"], capture_output=True, text=True,
                          timeout=60)

@@ -12,6 +12,7 @@ from clawrl.demo.run import demo_cli
 from clawrl.embedded.build import build_cli
 from clawrl.engines.loading import ModelLoadError
 from clawrl.errors import CliError
+from clawrl.orchestration.env_commands import POLICIES, env_cli
 from clawrl.orchestration.serve import serve_cli
 from clawrl.sessions_cli import export_cli, sessions_cli
 from clawrl.trainers.megatron.check_cli import check_parallel_cli
@@ -90,16 +91,44 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("overrides", nargs="*", help="key=value overrides: model.path, cluster.tp, cluster.pp, "
                                                  "cluster.procs_per_node (ranks; the rest is data parallel)")
 
+    ev = sub.add_parser("env", help="list, check and run an environment's tasks (terminal-rl, task directories)",
+                        description="NAME|PATH: a method directory (terminal-rl, ...) here or in the repo, or a "
+                                    "task set: a task directory (Harbor or Terminal-Bench 1.0), a directory of "
+                                    "them, a dataset.toml directory or a .jsonl file.")
+    esub = ev.add_subparsers(dest="env_cmd", required=True)
+    el = esub.add_parser("list", help="one line per task: ID<TAB>SPLIT<TAB>FORMAT")
+    ec = esub.add_parser("check", help="play the oracle and a no-op on every task; a JSON line each; exit 0 when "
+                                       "at least one oracle ran and none failed, else 1")
+    er = esub.add_parser("run", help="play one episode; the last line is its JSON report")
+    er.add_argument("--task", default=None, metavar="ID", help="the task (optional when there is one)")
+    er.add_argument("--policy", choices=POLICIES, default="oracle",
+                    help="oracle: the task's solution; nop: do nothing; model: the configured model")
+    for p_ in (el, ec, er):
+        p_.add_argument("target", metavar="NAME|PATH")
+        p_.add_argument("overrides", nargs="*", help="key=value config overrides (env.*, sandbox.*, model.path, ...)")
+
     rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")
     rb.add_argument("--run-dir", default=run_dir, help=run_dir_help)
     rb.add_argument("--to", type=int, required=True, metavar="VERSION", help="the weight version to go back to")
     return p
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; key=value overrides may also follow a command's options
+    (``clawrl env run DIR --policy nop env.max_turns=2``), which plain argparse refuses."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     commands = {"model": build_cli, "chat": chat_cli, "serve": serve_cli, "sessions": sessions_cli, "export": export_cli,
-                "demo": demo_cli, "check-parallel": check_parallel_cli, "rollback": rollback_cli}
+                "demo": demo_cli, "env": env_cli, "check-parallel": check_parallel_cli, "rollback": rollback_cli}
     try:
         return commands[args.cmd](args)
     except (CliError, ConfigError, ModelLoadError) as e:

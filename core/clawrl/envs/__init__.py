@@ -6,11 +6,12 @@ groups of them (``clawrl.envs.source``).
 other value names an environment class, built in or ``dir/file.py:ClassName``.
 """
 from clawrl.envs.base import Env, EnvError, Observation, StepOutcome, Task
+from clawrl.envs.terminal import TerminalEnv
 from clawrl.plugins import plugin_class
 
 CHAT = "chat"
-# Built-in environments by name; the agentic environments (terminal, toolcall, swe, gui) join here.
-ENVS: dict[str, type[Env]] = {}
+# Built-in environments by name; the agentic environments (toolcall, swe, gui) join here.
+ENVS: dict[str, type[Env]] = {"terminal": TerminalEnv}
 
 
 def env_class(spec: str) -> type[Env]:

@@ -70,7 +70,7 @@ class Env(abc.ABC):
         (a terminal task's tests) judge it here; None keeps the last reward ``step`` gave."""
         return None
 
-    def oracle_actions(self) -> Optional[list[str]]:
+    async def oracle_actions(self) -> Optional[list[str]]:
         """After ``reset``: the replies of an agent that knows the answer, in order, or None when
         the task has no oracle. ``clawrl env check`` plays them to prove a task can be solved."""
         return None

@@ -50,7 +50,7 @@ async def play(env: Env, task: Task, policy: str, max_turns: int) -> EpisodeRepo
     try:
         first = await env.reset(task)
         transcript = list(first.messages)
-        replies: Optional[list[str]] = [""] * max_turns if policy == NOP else env.oracle_actions()
+        replies: Optional[list[str]] = [""] * max_turns if policy == NOP else await env.oracle_actions()
         if replies is None:
             raise NoOracle(f"task {task.task_id} has no oracle")
         reward, info = None, {}

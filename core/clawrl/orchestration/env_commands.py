@@ -1,0 +1,172 @@
+"""``clawrl env``: the contract every environment shares.
+
+``NAME|PATH`` is a method directory (``terminal-rl``, ... under the current directory or the repo
+root, whose ``config.yaml`` names the environment and its task set) or a task set on disk: a task
+directory, a directory of tasks (formats may be mixed), a ``dataset.toml`` directory or a
+``.jsonl`` instance file (``clawrl.envs.task_formats.discover``).
+
+- ``list`` prints ``ID<TAB>SPLIT<TAB>FORMAT`` per task.
+- ``check`` plays the oracle and the no-op on every task and prints one JSON line per task; it
+  exits 0 when at least one oracle ran and none failed (oracle at full reward, no-op below it).
+- ``run`` plays one episode (oracle, no-op or the model) and ends with one JSON line.
+
+Usage errors exit 2 with a one-line reason (``CliError``); a check that finds a broken task exits 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from clawrl.config import ClawrlConfig, compose
+from clawrl.embedded.build import resolve_model
+from clawrl.engines import make_engine
+from clawrl.engines.base import SamplingParams
+from clawrl.envs import CHAT, ENVS, Env, EnvError, env_class
+from clawrl.envs.rollout import run_episode
+from clawrl.envs.scripted import NOP, ORACLE, EpisodeReport, NoOracle, play, success_of
+from clawrl.envs.task_formats import TaskRecord, discover
+from clawrl.errors import CliError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+METHOD_CONFIG = "config.yaml"
+# The environment a task directory's format implies when the method or env.name does not say.
+FORMAT_ENVS = {"harbor": "terminal", "tb1": "terminal"}
+# Tasks checked at once: each holds a sandbox, and the box may have 2 cores.
+CHECK_CONCURRENCY = 4
+POLICIES = (ORACLE, NOP, "model")
+
+
+@dataclass
+class TaskSet:
+    """What ``NAME|PATH`` resolves to: the config to run under and the tasks found."""
+
+    cfg: ClawrlConfig
+    records: list[TaskRecord]
+
+    def env_for(self, record: TaskRecord) -> Env:
+        """A fresh environment for one episode of ``record``: ``env.name`` when it names one,
+        else the one the task's format implies."""
+        name = self.cfg.env.name if self.cfg.env.name != CHAT else FORMAT_ENVS.get(record.format)
+        if name is None:
+            raise EnvError(f"task {record.task.task_id} is a row of a dataset: say which environment plays it "
+                           f"with env.name=NAME (built in: {', '.join(sorted(ENVS)) or 'none'}) or dir/file.py:Class")
+        return env_class(name).from_config(self.cfg)
+
+    def find(self, task_id: str | None) -> TaskRecord:
+        if task_id is None:
+            if len(self.records) != 1:
+                raise CliError(f"{len(self.records)} tasks here: pick one with --task ID (clawrl env list shows them)")
+            return self.records[0]
+        for r in self.records:
+            if r.task.task_id == task_id:
+                return r
+        raise CliError(f"no task {task_id!r} here (clawrl env list shows the {len(self.records)} there are)")
+
+
+def method_dir(target: str) -> Path | None:
+    """The method directory ``target`` names, under the current directory or the repo root."""
+    for base in (Path.cwd(), REPO_ROOT):
+        candidate = (base / target)
+        if (candidate / METHOD_CONFIG).is_file():
+            return candidate
+    return None
+
+
+def resolve(target: str, overrides: list[str]) -> TaskSet:
+    """The task set and config behind ``NAME|PATH`` (overrides on top)."""
+    path = Path(target).expanduser()
+    recipe = method_dir(target) if not path.exists() or (path / METHOD_CONFIG).is_file() else None
+    if recipe is not None:
+        cfg = compose(overrides, yaml_path=str(recipe / METHOD_CONFIG))
+        if cfg.env.tasks is None:
+            raise CliError(f"{recipe} sets no env.tasks: it is not an environment's method directory")
+        tasks = Path(cfg.env.tasks).expanduser()
+        path = tasks if tasks.is_absolute() else recipe / tasks
+    elif not path.exists():
+        raise CliError(f"{target}: no such task path, and no method directory of that name here or in {REPO_ROOT}")
+    else:
+        cfg = compose(overrides)
+    try:
+        return TaskSet(cfg, discover(path))
+    except EnvError as e:
+        raise CliError(str(e)) from None
+
+
+def env_cli(args) -> int:
+    """``clawrl env list|check|run``."""
+    task_set = resolve(args.target, args.overrides)
+    if args.env_cmd == "list":
+        for r in task_set.records:
+            print(f"{r.task.task_id}\t{r.split}\t{r.format}")
+        return 0
+    if args.env_cmd == "check":
+        return asyncio.run(_check(task_set))
+    record = task_set.find(args.task)
+    try:
+        report = asyncio.run(_run(task_set, record, args.policy))
+    except EnvError as e:  # the episode could not run (a refused task, a sandbox that cannot start)
+        raise CliError(f"task {record.task.task_id}: {e}") from None
+    print(json.dumps(report.as_json()))
+    return 0
+
+
+async def _check(task_set: TaskSet) -> int:
+    """Oracle and no-op on every task, a JSON line each as they finish, in task order."""
+    gate = asyncio.Semaphore(CHECK_CONCURRENCY)
+    turns = task_set.cfg.env.max_turns
+
+    async def one(record: TaskRecord) -> dict:
+        async with gate:
+            line = {"task": record.task.task_id, "oracle": None, "nop": None}
+            try:
+                oracle = await play(task_set.env_for(record), record.task, ORACLE, turns)
+                line["oracle"] = oracle.reward
+                nop = await play(task_set.env_for(record), record.task, NOP, turns)
+                line["nop"] = nop.reward
+            except NoOracle:
+                line["status"] = "no_oracle"
+                return line
+            except EnvError as e:
+                line["status"], line["reason"] = "fail", str(e)
+                return line
+            ok = oracle.success and oracle.reward >= 1.0 and nop.reward < oracle.reward
+            line["status"] = "ok" if ok else "fail"
+            if not ok:
+                line["reason"] = ("the oracle did not solve it: " + oracle.reason if not oracle.success
+                                  or oracle.reward < 1.0 else "the no-op scores as well as the oracle")
+            return line
+
+    lines = await asyncio.gather(*(one(r) for r in task_set.records))
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    ran = sum(line["status"] != "no_oracle" for line in lines)
+    failed = sum(line["status"] == "fail" for line in lines)
+    print(f"clawrl env check: {sum(line['status'] == 'ok' for line in lines)} ok, {failed} failed, "
+          f"{len(lines) - ran} without an oracle", file=sys.stderr)
+    return 0 if ran and not failed else 1
+
+
+async def _run(task_set: TaskSet, record: TaskRecord, policy: str) -> EpisodeReport:
+    cfg = task_set.cfg
+    env = task_set.env_for(record)
+    if policy in (ORACLE, NOP):
+        try:
+            return await play(env, record.task, policy, cfg.env.max_turns)
+        except NoOracle as e:
+            raise CliError(str(e)) from None
+    cfg = resolve_model(cfg)
+    engine = make_engine(cfg)
+    await engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=cfg.env.max_tokens_per_turn, temperature=cfg.env.temperature,
+                                seed=cfg.seed)
+        episode = await run_episode(engine, engine.tokenizer, env, record.task, params, cfg.env.max_turns)
+    finally:
+        await engine.shutdown()
+    reason = episode.info.get("reason", "done" if episode.done else "max_turns" if episode.truncated else "done")
+    return EpisodeReport(task=record.task.task_id, reward=episode.reward, success=success_of(episode.reward, episode.info),
+                         turns=episode.turns, truncated=episode.truncated, reason=str(reason),
+                         transcript=episode.transcript)
