@@ -562,3 +562,30 @@ def test_a_backend_that_cannot_run_is_refused_once_with_its_own_reason(monkeypat
     assert "\n" not in str(e.value) and "bwrap: test command failed" in str(e.value)
     assert "--no-such-option" in sandbox_mod._probed["bwrap"]
     assert list(tmp_path.iterdir()) == []  # the failed sandbox left nothing behind
+
+
+def test_nothing_outlives_a_killed_clawrl(cfg):
+    """clawrl dies (SIGKILL, no close) in the middle of an exec: the sandbox's processes die too."""
+    child = (
+        "import asyncio, sys\n"
+        "from clawrl.config import SandboxConfig\n"
+        "from clawrl.envs.sandbox import open_sandbox\n"
+        "async def main():\n"
+        f"    sb = open_sandbox(SandboxConfig(backend={cfg.backend!r}, root={cfg.root!r}))\n"
+        "    task = asyncio.create_task(sb.exec('sleep 300 & setsid sleep 300 & sleep 300'))\n"
+        "    await asyncio.sleep(0.5)\n"
+        "    print(sb.slot.uid, flush=True)\n"
+        "    await task\n"
+        "asyncio.run(main())\n")
+
+    async def go():
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", child, stdout=asyncio.subprocess.PIPE)
+        uid = int(await asyncio.wait_for(proc.stdout.readline(), 30))
+        while len(pids_of_uid(uid)) < 3:
+            await asyncio.sleep(0.02)
+        proc.kill()
+        await proc.wait()
+        return uid, await _gone(uid, within_s=5)
+
+    uid, left = run(go())
+    assert left == [], f"processes of uid {uid} outlived the killed clawrl: {left}"

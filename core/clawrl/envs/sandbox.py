@@ -600,7 +600,9 @@ class UnshareSandbox(_NamespacedSandbox):
         return "\n".join(lines)
 
     def _argv(self, argv: list[str], env: dict[str, str], cwd: str) -> list[str]:
-        return (["unshare", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",
+        # setpriv --pdeathsig: if clawrl dies, unshare dies, and --kill-child takes the namespace
+        # with it (bwrap's --die-with-parent does the same there).
+        return ([_tool("setpriv"), "--pdeathsig", "KILL", "--", "unshare", "--mount", "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child",
                  "--propagation", "private", "--", "/bin/sh", "-c", self._script(cwd), "clawrl-sandbox"]
                 + self._inner_argv(argv, env))
 
