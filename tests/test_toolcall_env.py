@@ -57,6 +57,12 @@ def test_a_fenced_python_block_is_a_call_and_arguments_may_be_a_json_string():
     assert parse_reply(f"<tool_call>\n{json.dumps(wire)}\n</tool_call>").calls == ["print(7)"]
 
 
+def test_a_dict_with_a_name_key_inside_code_is_code_not_a_call():
+    code = 'person = {"name": "Ada", "born": 1815}\nprint(2024 - person["born"])\n'
+    assert parse_reply(f"```python\n{code}```").calls == [code]
+    assert parse_reply(format_tool_call(code)).calls == [code]
+
+
 def test_several_calls_run_in_the_order_written():
     reply = parse_reply("```python\na = 1\n```\n" + format_tool_call("b = 2") + "\n```py\nprint(a + b)\n```")
     assert reply.calls == ["a = 1\n", "b = 2", "print(a + b)\n"]

@@ -65,6 +65,11 @@ def parse_reply(reply: str) -> Reply:
         masked = _blank(masked, m.start(), m.end())
     if _OPEN_TAG in masked:
         return Reply(error="a <tool_call> tag is never closed with </tool_call>")
+    for m in _FENCE.finditer(masked):
+        spans.append((m.start(), m.end(), m.group(1)))
+        masked = _blank(masked, m.start(), m.end())
+    if _OPEN_FENCE.search(masked):
+        return Reply(error="a ```python block is never closed with ```")
     for m in _BARE.finditer(masked):
         if masked[m.start()] != "{":  # blanked by an earlier bare call
             continue
@@ -77,11 +82,6 @@ def parse_reply(reply: str) -> Reply:
             return Reply(error=error)
         spans.append((m.start(), end, code))
         masked = _blank(masked, m.start(), end)
-    for m in _FENCE.finditer(masked):
-        spans.append((m.start(), m.end(), m.group(1)))
-        masked = _blank(masked, m.start(), m.end())
-    if _OPEN_FENCE.search(masked):
-        return Reply(error="a ```python block is never closed with ```")
     calls = [code for _, _, code in sorted(spans)]
     if any(not code.strip() for code in calls):
         return Reply(error="a python call has no code")
