@@ -247,9 +247,12 @@ def test_pytest_reports_give_passed_and_total():
 
 # ----- judging in a sandbox -----
 
-def test_harbor_oracle_earns_full_reward_and_doing_nothing_less(sandbox_cfg):
+@pytest.mark.parametrize("backend", ["bwrap", "unshare"])
+def test_harbor_oracle_earns_full_reward_and_doing_nothing_less(backend):
+    skip_unless_available(backend)
+    cfg = SandboxConfig(backend=backend)
     s = spec("harbor-word-count")
-    oracle, nop = episode(sandbox_cfg, s, oracle=True), episode(sandbox_cfg, s, oracle=False)
+    oracle, nop = episode(cfg, s, oracle=True), episode(cfg, s, oracle=False)
     assert (oracle.reward, oracle.success, oracle.detail) == (1.0, True, "reward.txt says 1")
     assert (nop.reward, nop.success) == (0.0, False)
 
