@@ -134,6 +134,15 @@ def _check(line: str, out: subprocess.CompletedProcess, url: str, work: Path) ->
         target = work / re.search(r"--out (\S+)", line).group(1)
         turns = [json.loads(t) for t in target.read_text().splitlines()]
         assert len(turns) == httpx.get(url + "/admin/status", timeout=10).json()["turns"] >= 12
+    elif line.startswith("clawrl env list"):
+        rows = [r.split("\t") for r in out.stdout.splitlines()]
+        assert len(rows) >= 24 and all(len(r) == 3 and r[1] in ("train", "test") for r in rows), out.stdout
+    elif line.startswith("clawrl env check"):
+        lines = [json.loads(r) for r in out.stdout.splitlines()]
+        assert len(lines) >= 24 and all(r["status"] == "ok" and r["oracle"] == 1.0 > r["nop"] for r in lines), lines
+    elif line.startswith("clawrl env run"):
+        report = json.loads(out.stdout.splitlines()[-1])
+        assert (report["reward"], report["success"]) == (1.0, True), report
     elif line.startswith("clawrl demo"):
         assert "table in" in out.stdout, out.stdout[-2000:]
     else:
