@@ -585,7 +585,11 @@ def test_nothing_outlives_a_killed_clawrl(cfg):
             await asyncio.sleep(0.02)
         proc.kill()
         await proc.wait()
-        return uid, await _gone(uid, within_s=5)
+        left = await _gone(uid, within_s=5)
+        dead = list(Path(cfg.root).iterdir())
+        async with open_sandbox(cfg) as sb:  # the next clawrl clears what the dead one left on disk
+            return uid, left, dead, sorted(Path(cfg.root).iterdir()), sb._base
 
-    uid, left = run(go())
+    uid, left, dead, after, live = run(go())
     assert left == [], f"processes of uid {uid} outlived the killed clawrl: {left}"
+    assert len(dead) == 1 and after == [live]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import fcntl
 import math
 import os
 import shlex
@@ -197,6 +198,7 @@ class Sandbox(abc.ABC):
         self.limits = limits
         self.workdir = workdir
         self._base = base
+        self._base_lock: Optional[int] = None  # flock on base/lock while this sandbox lives (_new_base)
         self.root = base / "tree"  # the writable top-level dirs: root/app is /app inside
         self.root.mkdir(mode=0o755)
         self._closed = False
@@ -413,6 +415,7 @@ class Sandbox(abc.ABC):
         finally:
             self.slot.release()
             await asyncio.to_thread(shutil.rmtree, self._base, True)
+            _release_base(self)
 
     async def __aenter__(self) -> "Sandbox":
         return self
@@ -708,6 +711,7 @@ def open_sandbox(cfg: SandboxConfig, *, env: dict[str, str] | None = None, workd
         candidates.append("subprocess")
     root = Path(cfg.root) if cfg.root else Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
+    _sweep_dead(root)
     reasons = []
     for backend in candidates:
         if _probed.get(backend, None) is not None:
@@ -739,13 +743,61 @@ def _make(backend: str, cfg: SandboxConfig, root: Path, limits: Limits, env, wor
             UidSlot(uid=os.getuid(), gid=os.getgid(), index=0, shared=True)
     except EnvError as e:
         raise SandboxError(str(e)) from None
-    base = Path(tempfile.mkdtemp(prefix="clawrl-sandbox-", dir=root))
+    base, lock = _new_base(root)
     try:
-        return _CLASSES[backend](cfg, slot, base, limits, env, workdir, writable)
+        sandbox = _CLASSES[backend](cfg, slot, base, limits, env, workdir, writable)
     except BaseException:
         slot.release()
         shutil.rmtree(base, ignore_errors=True)
+        os.close(lock)
         raise
+    sandbox._base_lock = lock
+    return sandbox
+
+
+BASE_PREFIX = "clawrl-sbx-"
+_swept: set[str] = set()  # roots already cleared of dead sandboxes by this process
+
+
+def _new_base(root: Path) -> tuple[Path, int]:
+    """A new sandbox directory under ``root`` and its liveness lock: an flock on ``base/lock``,
+    taken before the file gets that name, so that no sweeper ever sees it unlocked."""
+    base = Path(tempfile.mkdtemp(prefix=BASE_PREFIX, dir=root))
+    fd = os.open(base / "lock.new", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(base / "lock.new", base / "lock")
+    return base, fd
+
+
+def _release_base(sandbox: Sandbox) -> None:
+    if sandbox._base_lock is not None:
+        os.close(sandbox._base_lock)  # after the tree is gone, so no sweeper races the owner
+        sandbox._base_lock = None
+
+
+def _sweep_dead(root: Path) -> None:
+    """Delete the sandbox directories under ``root`` whose owner died without closing them (a
+    killed clawrl): their lock is free. Once per root per process; only this user's directories."""
+    if str(root) in _swept:
+        return
+    _swept.add(str(root))
+    for entry in os.scandir(root):
+        try:
+            if not entry.name.startswith(BASE_PREFIX) or not entry.is_dir(follow_symlinks=False) \
+                    or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(entry.path, "lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone meanwhile; or no lock (yet): not a sandbox directory, or one being made
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # its owner is alive
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _close_now(sandbox: Sandbox) -> None:
@@ -753,3 +805,4 @@ def _close_now(sandbox: Sandbox) -> None:
     sandbox._closed = True
     sandbox.slot.release()
     shutil.rmtree(sandbox._base, ignore_errors=True)
+    _release_base(sandbox)
