@@ -13,11 +13,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from clawrl.config import SandboxConfig, compose
 from clawrl.embedded.tokenizer import render_chat
+from clawrl.engines.base import GenerateResult, SamplingParams
 from clawrl.envs import EnvError, Task, env_class
 from clawrl.envs.answers import answers_match, expected_answer
+from clawrl.envs.rollout import run_episode
 from clawrl.envs.scripted import NOP, ORACLE, play
 from clawrl.envs.task_formats.rows import read_split
 from clawrl.envs.tool_calls import format_tool_call, parse_reply
@@ -304,3 +307,37 @@ def test_the_oracle_solves_a_sample_of_every_template_and_the_nop_fails_it(tmp_p
         tool_output = next(m["content"] for m in oracle.transcript if m["role"] == "tool")
         assert answers_match(tool_output, task.data["answer"]), (task.task_id, tool_output)
         assert (nop.reward, nop.success) == (-1.0, False), task.task_id
+
+
+# ----- in the token loop (the embedded tokenizer, bubblewrap) -----
+
+class ScriptedReplies:
+    """An engine that 'samples' fixed replies, tokenised as a model would emit them (ending in
+    <|im_end|>), and keeps the prompts it was given."""
+
+    def __init__(self, tokenizer, replies: list[str]):
+        self.tokenizer, self.prompts = tokenizer, []
+        self.replies = [tokenizer(r + "<|im_end|>", add_special_tokens=False)["input_ids"] for r in replies]
+
+    async def generate(self, prompt_ids, params):
+        self.prompts.append(list(prompt_ids))
+        ids = self.replies[len(self.prompts) - 1]
+        return GenerateResult(request_id="r", prompt_ids=list(prompt_ids), token_ids=ids, logprobs=[0.0] * len(ids),
+                              weight_versions=[0] * len(ids), finish_reason="stop")
+
+
+def test_the_special_token_tags_survive_the_rollout_and_the_tool_answers_in_context(tiny_model_dir, tmp_path):
+    skip_unless_available("bwrap")
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    call = format_tool_call("print(4821 * 397)")
+    assert tok.decode(tok(call, add_special_tokens=False)["input_ids"], skip_special_tokens=True) != call
+    engine = ScriptedReplies(tok, ["I will compute it.\n" + call, "The tool says so: \\boxed{1913937}"])
+    episode = asyncio.run(run_episode(engine, tok, _env(tmp_path), TASK, SamplingParams(max_new_tokens=64), 4))
+    assert (episode.reward, episode.turns, episode.done, episode.truncated) == (1.0, 2, True, False)
+    assert episode.info["tool_calls"] == 1 and episode.info["tool_errors"] == 0
+    # the second prompt is the first, the sampled call, and the tool's answer rendered as Qwen does
+    second = engine.prompts[1]
+    assert second[:len(engine.prompts[0])] == engine.prompts[0]
+    assert second[len(engine.prompts[0]):][:len(engine.replies[0])] == engine.replies[0]
+    assert tok.decode(second[len(engine.prompts[0]) + len(engine.replies[0]):]) == (
+        "\n<|im_start|>user\n<tool_response>\n1913937\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
