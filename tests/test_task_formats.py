@@ -153,6 +153,7 @@ def test_tb1_spec_reads_task_yaml_compose_and_test_script():
     assert s.extra_test_files == (FIXTURES / "tb1-csv-sum" / "run-tests.sh",)
     assert s.dockerfile == FIXTURES / "tb1-csv-sum" / "Dockerfile" and s.solution.name == "solution.sh"
     assert s.image is None and s.refusal is None and not s.network
+    assert s.task_env == {"SALES_CURRENCY": "EUR"}  # the harness's own ${T_BENCH_...} variables left out
 
 
 def test_tb1_older_descriptions_and_defaults(tmp_path):
@@ -341,6 +342,14 @@ def test_missing_or_malformed_reward_file_is_reward_zero_saying_so(sandbox_cfg, 
     s = write_task(tmp_path / "b", "echo great > /logs/verifier/reward.txt\n")
     v = episode(sandbox_cfg, s, oracle=False)
     assert (v.reward, v.detail) == (0.0, "reward.txt holds 'great', not a number (written by bash /tests/test.sh)")
+
+
+def test_a_compose_environment_reaches_the_agents_shell(sandbox_cfg):
+    async def go():
+        async with open_sandbox(sandbox_cfg) as sandbox:
+            await prepare_environment(spec("tb1-csv-sum"), sandbox)
+            return (await sandbox.exec('echo "$SALES_CURRENCY ${TEST_DIR:-unset}"')).stdout
+    assert asyncio.run(go()) == "EUR unset\n"  # TEST_DIR is the verifier's only
 
 
 def test_oracle_copies_only_the_solution_into_slash_solution(sandbox_cfg):

@@ -68,6 +68,7 @@ async def prepare_environment(spec: TerminalTaskSpec, sandbox: Sandbox) -> Envir
     if sandbox.env.get("HOME") == sandbox.workdir:
         sandbox.env["HOME"] = plan.workdir
     sandbox.env.update(plan.env)
+    sandbox.env.update(spec.task_env)  # a compose file's environment overrides the image's, as in Docker
     sandbox.workdir = plan.workdir
     return plan
 

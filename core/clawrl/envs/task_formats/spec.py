@@ -52,6 +52,7 @@ class TerminalTaskSpec:
     parser: Optional[str]  # tb1 parser_name ("pytest"); None: the reward file decides
     extra_test_files: tuple[Path, ...] = ()  # copied to /tests beside tests_dir (tb1: run-tests.sh)
     test_env: dict[str, str] = field(default_factory=dict)  # the verifier's extra environment
+    task_env: dict[str, str] = field(default_factory=dict)  # the environment's (tb1 compose "environment:")
     build_timeout_s: float = 600.0  # each Dockerfile RUN line gets this long
     image: Optional[str] = None  # a prebuilt image named by the task instead of a Dockerfile
     refusal: Optional[str] = None  # known unrunnable when read (e.g. several compose services)

@@ -46,7 +46,7 @@ def read_tb1(path: Path) -> tuple[TerminalTaskSpec, str]:
     if parser not in PARSERS:
         raise EnvError(f"{task_file}: parser_name {parser!r} is not one we read (known: {', '.join(PARSERS)})")
 
-    context, dockerfile, image, network, refusal = _compose(path)
+    context, dockerfile, image, network, refusal, task_env = _compose(path)
     tests_dir = path / "tests"
     run_tests = path / "run-tests.sh"
     solution = path / "solution.sh"
@@ -73,6 +73,7 @@ def read_tb1(path: Path) -> tuple[TerminalTaskSpec, str]:
         parser=parser,
         extra_test_files=(run_tests,) if run_tests.is_file() else (),
         test_env={"TEST_DIR": TESTS_DIR},
+        task_env=task_env,
         image=image,
         refusal=refusal,
         metadata=metadata,
@@ -112,13 +113,14 @@ def _seconds(config: dict, key: str, default: float, file: Path) -> float:
     return float(value)
 
 
-def _compose(path: Path) -> tuple[Path, Path, Optional[str], bool, Optional[str]]:
-    """(build context, Dockerfile, own image or None, asks network, refusal or None) from the task's
-    docker-compose file; the task directory and its Dockerfile when there is none."""
+def _compose(path: Path) -> tuple[Path, Path, Optional[str], bool, Optional[str], dict[str, str]]:
+    """(build context, Dockerfile, own image or None, asks network, refusal or None, environment
+    variables) from the task's docker-compose file; the task directory and its Dockerfile when
+    there is none. Variables Terminal-Bench's harness fills in (${T_BENCH_...}) are left out."""
     context, dockerfile = path, path / "Dockerfile"
     file = next((path / n for n in COMPOSE_FILES if (path / n).is_file()), None)
     if file is None:
-        return context, dockerfile, None, False, None
+        return context, dockerfile, None, False, None, {}
     compose = _yaml_mapping(file)
     services = compose.get("services") or {}
     if not isinstance(services, dict) or not services:
@@ -126,7 +128,7 @@ def _compose(path: Path) -> tuple[Path, Path, Optional[str], bool, Optional[str]
     if len(services) > 1:
         names = ", ".join(sorted(map(str, services)))
         return context, dockerfile, None, True, (f"needs {len(services)} containers on a network of their own "
-                                                 f"({names}), which the sandbox cannot provide")
+                                                 f"({names}), which the sandbox cannot provide"), {}
     service = next(iter(services.values())) or {}
     if not isinstance(service, dict):
         raise EnvError(f"{file}: a service must be a mapping")
@@ -143,4 +145,18 @@ def _compose(path: Path) -> tuple[Path, Path, Optional[str], bool, Optional[str]
         own_image = None
     mode = str(service.get("network_mode", "")).strip().lower()
     network = mode not in ("", "none") or bool(service.get("ports")) or bool(service.get("extra_hosts"))
-    return context, dockerfile, own_image, network, None
+    return context, dockerfile, own_image, network, None, _service_env(service.get("environment"), file)
+
+
+def _service_env(value: Any, file: Path) -> dict[str, str]:
+    """A compose service's ``environment:`` (a list of NAME=value or a mapping), without the
+    variables only Terminal-Bench's harness can fill in."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        pairs = [(str(k), "" if v is None else str(v)) for k, v in value.items()]
+    elif isinstance(value, list):
+        pairs = [tuple(str(item).partition("=")[::2]) for item in value]
+    else:
+        raise EnvError(f"{file}: a service's environment must be a list or a mapping")
+    return {k: v for k, v in pairs if k and "${" not in v and k != "TEST_DIR"}
