@@ -16,6 +16,7 @@ are all here.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import tarfile
@@ -130,7 +131,7 @@ async def _unpack(sandbox: Sandbox, archive: Path, dest: str, chmod: int | None)
 async def _run(sandbox: Sandbox, step: RunStep, timeout_s: float, limit_s: float) -> None:
     command = step.command
     if isinstance(command, str):
-        command, dropped = drop_satisfied(command)
+        command, dropped = await asyncio.to_thread(drop_satisfied, command)  # asks dpkg: off the event loop
         for d in dropped:
             log.info("%s: skipped %r (already satisfied on the host)", step.at, d)
         if dropped and not command.replace("true", "").strip(" \n;&"):
@@ -143,7 +144,7 @@ async def _run(sandbox: Sandbox, step: RunStep, timeout_s: float, limit_s: float
     if result.timed_out:
         raise TaskRefused(f"{step.at}: ran past the build limit of {limit_s:g} s")
     if result.returncode != 0:
-        lacking = missing_packages(text)
+        lacking = await asyncio.to_thread(missing_packages, text)
         if lacking:
             why = f" (it installs {', '.join(lacking)}, which the host lacks, and the sandbox has no network to fetch them)"
         elif FETCHES.search(text):
