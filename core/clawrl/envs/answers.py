@@ -58,7 +58,7 @@ def _clean(text: str) -> str:
         s = _TEXT.sub(r"\1", s)
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
     s = s.replace("\\,", "").replace("\\!", "").replace("{,}", ",").replace("\\ ", " ").replace("\u2009", "")
-    s = s.strip().rstrip(".").strip()
+    s = s.replace("\u2212", "-").strip().rstrip(".").strip()  # a typeset minus sign
     return s
 
 
