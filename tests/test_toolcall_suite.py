@@ -17,12 +17,16 @@ from pathlib import Path
 from typing import Iterator
 
 
+from clawrl.config import compose
 from clawrl.embedded import build
 from clawrl.embedded.corpus import Chat, short_chat
 from clawrl.envs.answers import answers_match
 from clawrl.envs.task_formats import ROWS, discover
+from clawrl.orchestration.env_commands import resolve
 
-SUITE = Path(__file__).resolve().parents[1] / "toolcall-rl"
+REPO = Path(__file__).resolve().parents[1]
+SUITE = REPO / "toolcall-rl"
+ENV_BY_PATH = f"{REPO / 'core/clawrl/envs/toolcall.py'}:ToolCallEnv"  # until ENVS["toolcall"] is registered
 _spec = importlib.util.spec_from_file_location("toolcall_make_tasks", SUITE / "make_tasks.py")
 make_tasks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_tasks)
@@ -174,3 +178,11 @@ def test_the_corpus_check_finds_a_problem_the_corpus_does_contain():
 def test_no_test_problem_appears_in_the_embedded_model_corpus():
     hits = corpus_hits(rows("test"), corpus_texts())
     assert not hits, "\n".join(hits[:20])
+
+
+def test_the_method_directory_names_its_tasks_and_environment():
+    task_set = resolve("toolcall-rl", [f"env.name={ENV_BY_PATH}"])
+    assert len(task_set.records) == len(rows("train")) + len(rows("test"))
+    assert type(task_set.env_for(task_set.records[0])).__name__ == "ToolCallEnv"
+    recipe = compose([], yaml_path=str(SUITE / "config.yaml"))
+    assert (recipe.env.name, recipe.env.tasks) == ("toolcall", ".")
