@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Mapping, Optional
 
+from clawrl.envs.task_formats.dockerfile_words import env_pairs, split_words
+from clawrl.envs.task_formats.dockerignore import is_ignored, read_dockerignore
 from clawrl.envs.task_formats.spec import DEFAULT_WORKDIR, TaskRefused, TerminalTaskSpec
 
 # Names of base images whose userland the host (Debian) stands in for, after registry prefixes,
@@ -219,14 +221,14 @@ def _plan(instructions: list[Instruction], dockerfile: Path, context: Path, hidd
     steps: list[Step] = []
     ignored: list[str] = []
     shell_prefix = ""
-    ignore_rules = _dockerignore(context)
+    ignore_rules = read_dockerignore(context)
     for ins in instructions:
         at = ins.where(dockerfile)
         scope = {**base_env, **args, **env}
         if ins.keyword == "FROM":
             if base_image is not None:
                 raise TaskRefused(f"{at}: multi-stage builds need an image builder; only one FROM runs here")
-            words = [w for w in _words(ins.args, scope, at) if not w.startswith("--platform")]
+            words = [w for w in split_words(ins.args, scope, at) if not w.startswith("--platform")]
             if not words or (len(words) > 1 and not (len(words) == 3 and words[1].lower() == "as")):
                 raise TaskRefused(f"{at}: expected FROM image [AS name]")
             base_image = words[0]
@@ -235,7 +237,7 @@ def _plan(instructions: list[Instruction], dockerfile: Path, context: Path, hidd
         elif base_image is None and ins.keyword != "ARG":
             raise TaskRefused(f"{at}: an instruction before FROM")
         elif ins.keyword == "ARG":
-            for word in _words(ins.args, scope, at):
+            for word in split_words(ins.args, scope, at):
                 name, eq, default = word.partition("=")
                 if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
                     raise TaskRefused(f"{at}: bad ARG name {name!r}")
@@ -244,9 +246,9 @@ def _plan(instructions: list[Instruction], dockerfile: Path, context: Path, hidd
                 else:
                     args.setdefault(name, global_args.get(name, ""))
         elif ins.keyword == "ENV":
-            env.update(_env_pairs(ins.args, scope, at))
+            env.update(env_pairs(ins.args, scope, at))
         elif ins.keyword == "WORKDIR":
-            words = _words(ins.args, scope, at)
+            words = split_words(ins.args, scope, at)
             if len(words) != 1:
                 raise TaskRefused(f"{at}: WORKDIR takes one path")
             workdir = _absolute(words[0], workdir)
@@ -259,7 +261,7 @@ def _plan(instructions: list[Instruction], dockerfile: Path, context: Path, hidd
         elif ins.keyword == "SHELL":
             shell_prefix = _shell_prefix(ins.args, at)
         elif ins.keyword == "USER":
-            user = " ".join(_words(ins.args, scope, at))
+            user = " ".join(split_words(ins.args, scope, at))
             if user.split(":")[0] not in ("root", "0"):
                 raise TaskRefused(f"{at}: USER {user}: the sandbox runs everything as its one user")
         elif ins.keyword in IGNORED:
@@ -314,7 +316,7 @@ def _copy_step(ins: Instruction, at: str, scope: dict[str, str], workdir: str, c
             raise TaskRefused(f"{at}: COPY --from copies out of another image, which needs an image builder")
         elif name not in ("chown", "link"):  # ownership: the sandbox has one user
             raise TaskRefused(f"{at}: {ins.keyword} flag --{name} is not supported here")
-    words = _json_list(text, at) if text.startswith("[") else _words(text, scope, at)
+    words = _json_list(text, at) if text.startswith("[") else split_words(text, scope, at)
     if words is None or len(words) < 2:
         raise TaskRefused(f"{at}: {ins.keyword} needs a source and a destination")
     *sources, dest_word = words
@@ -366,55 +368,6 @@ def _copy_step(ins: Instruction, at: str, scope: dict[str, str], workdir: str, c
     return CopyStep(at, tuple(files), tuple(dict.fromkeys(dirs)), chmod, tuple(archives))
 
 
-def _excluded(path: Path, root: Path, hidden: tuple[Path, ...], rules: list[tuple[bool, str]]) -> bool:
-    if any(path == h or h in path.parents for h in hidden):
-        return True
-    return ignored_by(path.relative_to(root).as_posix() if path != root else ".", rules)
-
-
-def ignored_by(rel: str, rules: list[tuple[bool, str]]) -> bool:
-    """Whether ``.dockerignore`` rules (negated, pattern) exclude the context-relative path ``rel``:
-    the last matching rule wins; a pattern that matches a directory excludes what is inside."""
-    out = False
-    parts = rel.split("/")
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    for negated, pattern in rules:
-        if any(_glob_match(p, pattern) for p in prefixes):
-            out = not negated
-    return out
-
-
-def _glob_match(path: str, pattern: str) -> bool:
-    """Docker's .dockerignore globs: ``*`` and ``?`` stay within a path component, ``**`` spans any."""
-    regex = ""
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            regex, i = regex + "(?:.*/)?", i + 3
-        elif pattern.startswith("**", i):
-            regex, i = regex + ".*", i + 2
-        else:
-            c = pattern[i]
-            regex += "[^/]*" if c == "*" else "[^/]" if c == "?" else re.escape(c)
-            i += 1
-    return re.fullmatch(regex, path) is not None
-
-
-def _dockerignore(context: Path) -> list[tuple[bool, str]]:
-    file = context / ".dockerignore"
-    if not file.is_file():
-        return []
-    rules = []
-    for line in file.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        negated = line.startswith("!")
-        pattern = str(PurePosixPath(line.lstrip("!").strip().lstrip("/")))
-        rules.append((negated, pattern))
-    return rules
-
-
 def _shell_prefix(args: str, at: str) -> str:
     argv = _json_list(args, at)
     if not argv or argv[-1] != "-c" or PurePosixPath(argv[0]).name not in ("bash", "sh"):
@@ -454,91 +407,8 @@ def _json_list(text: str, at: str) -> Optional[list[str]]:
     return value
 
 
-def _env_pairs(text: str, scope: dict[str, str], at: str) -> dict[str, str]:
-    first = text.split(None, 1)[0] if text.strip() else ""
-    if not first:
-        raise TaskRefused(f"{at}: ENV needs a name and a value")
-    if "=" not in first:  # the old form: ENV NAME the rest of the line
-        name, _, rest = text.partition(" ")
-        return {name: " ".join(_words(rest.strip(), scope, at))}
-    pairs = {}  # as in Docker, the pairs of one ENV line expand against what was set before it
-    for word in _words(text, scope, at):
-        name, eq, value = word.partition("=")
-        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", name):
-            raise TaskRefused(f"{at}: expected NAME=value, not {word!r}")
-        pairs[name] = value
-    return pairs
-
-
-def _words(text: str, scope: Mapping[str, str], at: str) -> list[str]:
-    """Split ``text`` into words as Docker does for ENV, ARG, WORKDIR, COPY and FROM: quotes group
-    and are removed, backslash escapes, and $VAR / ${VAR} / ${VAR:-word} / ${VAR:+word} expand
-    (not inside single quotes)."""
-    words: list[str] = []
-    cur: list[str] = []
-    in_word = False
-    quote = ""
-    i = 0
-    while i < len(text):
-        c = text[i]
-        if quote == "'":
-            if c == "'":
-                quote = ""
-            else:
-                cur.append(c)
-            i += 1
-        elif c == "\\" and i + 1 < len(text):
-            cur.append(text[i + 1])
-            in_word = True
-            i += 2
-        elif c == "$":
-            value, i = _expand(text, i, scope, at)
-            cur.append(value)
-            in_word = True
-        elif quote == '"':
-            if c == '"':
-                quote = ""
-            else:
-                cur.append(c)
-            i += 1
-        elif c in "'\"":
-            quote = c
-            in_word = True
-            i += 1
-        elif c.isspace():
-            if in_word:
-                words.append("".join(cur))
-                cur, in_word = [], False
-            i += 1
-        else:
-            cur.append(c)
-            in_word = True
-            i += 1
-    if quote:
-        raise TaskRefused(f"{at}: unclosed {quote} quote")
-    if in_word:
-        words.append("".join(cur))
-    return words
-
-
-def _expand(text: str, i: int, scope: Mapping[str, str], at: str) -> tuple[str, int]:
-    """The value of the variable reference starting at text[i] == "$", and the index after it."""
-    if text.startswith("${", i):
-        end = text.find("}", i)
-        if end < 0:
-            raise TaskRefused(f"{at}: unclosed ${{")
-        body = text[i + 2:end]
-        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:[-+])(.*))?", body, re.DOTALL)
-        if m is None:
-            raise TaskRefused(f"{at}: ${{{body}}} is a substitution this host does not interpret")
-        name, op, word = m.group(1), m.group(2), m.group(3) or ""
-        value = scope.get(name, "")
-        if op == ":-":
-            value = value or word
-        elif op == ":+":
-            value = word if value else ""
-        return value, end + 1
-    m = re.compile(r"[A-Za-z_][A-Za-z0-9_]*").match(text, i + 1)
-    if m is None:
-        return "$", i + 1
-    return scope.get(m.group(0), ""), m.end()
+def _excluded(path: Path, root: Path, hidden: tuple[Path, ...], rules: list[tuple[bool, str]]) -> bool:
+    """Whether COPY leaves ``path`` out: the task's tests and solution always, else .dockerignore."""
+    if any(path == h or h in path.parents for h in hidden):
+        return True
+    return is_ignored(path.relative_to(root).as_posix() if path != root else ".", rules)
