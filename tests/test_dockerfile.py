@@ -14,6 +14,7 @@ from clawrl.config import SandboxConfig
 from clawrl.envs.sandbox import open_sandbox
 from clawrl.envs.task_formats.dockerfile import (CopyStep, RunStep, WorkdirStep, image_name, is_common_base,
                                                  parse_dockerfile, plan_environment)
+from clawrl.envs.task_formats.dockerignore import is_ignored
 from clawrl.envs.task_formats.environment import prepare_environment
 from clawrl.envs.task_formats.harbor import read_harbor
 from clawrl.envs.task_formats.packages import drop_satisfied, missing_packages
@@ -346,3 +347,11 @@ def test_the_build_limit_covers_the_whole_build(sandbox_cfg, tmp_path):
                 await prepare_environment(spec, sandbox)
             return str(e.value)
     assert asyncio.run(go()) == "t: Dockerfile:4: RUN sleep 0.6: ran past the build limit of 1 s"
+
+
+def test_dockerignore_last_rule_wins_and_a_directory_rule_covers_its_contents():
+    rules = [(False, "docs"), (False, "*.md"), (True, "README.md"), (False, "**/cache")]
+    assert is_ignored("docs/guide/a.txt", rules)
+    assert is_ignored("notes.md", rules) and not is_ignored("README.md", rules)
+    assert not is_ignored("sub/notes.md", rules)  # * stays within one path component
+    assert is_ignored("a/b/cache/x.bin", rules) and not is_ignored("a/b/cached", rules)

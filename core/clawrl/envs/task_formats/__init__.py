@@ -4,8 +4,10 @@ task directories, and rLLM-style row datasets.
 - ``discover(path)``: every task under a path, as ``TaskRecord(task, split, format)``
   (``discover.py``; the formats in ``harbor.py``, ``tb1.py``, ``rows.py``);
 - ``plan_environment(spec)``: a terminal task's Dockerfile read as a plan for the host, or
-  TaskRefused with the reason (``dockerfile.py``);
-- ``prepare_environment(spec, sandbox)``: that plan applied in a sandbox (``environment.py``);
+  TaskRefused with the reason (``dockerfile.py``; its words in ``dockerfile_words.py``, the
+  build context's ``.dockerignore`` in ``dockerignore.py``);
+- ``prepare_environment(spec, sandbox)``: that plan applied in a sandbox (``environment.py``;
+  package installs the host already satisfies are skipped, ``packages.py``);
 - ``verify(spec, sandbox)`` and ``run_oracle(spec, sandbox)``: the task's tests after the agent
   stops, and its reference solution (``verifier.py``; reward files and pytest reports in
   ``rewards.py``).
