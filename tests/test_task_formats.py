@@ -376,3 +376,16 @@ def test_the_unisolated_backend_is_refused_for_terminal_tasks():
     assert asyncio.run(go()).startswith("harbor-word-count: terminal tasks work in absolute paths (/app, /tests, "
                                         "/logs/verifier), which sandbox.backend=subprocess would read and write on "
                                         "the host itself")
+
+
+def test_pytest_report_with_spaced_ids_grouped_skips_and_teardown_errors():
+    report = ("=========================== short test summary info ============================\n"
+              "PASSED t.py::test_pair[a b]\n"
+              "PASSED t.py::test_pair[a c]\n"
+              "SKIPPED [2] t.py:9: needs a display\n"
+              "PASSED t.py::test_cleanup\n"
+              "ERROR t.py::test_cleanup - OSError: teardown failed\n"
+              "FAILED t.py::test_pair[x - y] - assert 0\n"
+              "=================== 1 failed, 4 passed, 2 skipped, 1 error in 0.31s ===================\n")
+    counts = parse_pytest(report)
+    assert (counts.passed, counts.total) == (4, 6)

@@ -29,7 +29,8 @@ class TestCounts:
 _PASSING = {"PASSED", "SKIPPED", "XFAIL", "XPASS"}  # XPASS: Terminal-Bench's parser counts it; strict xpass is FAILED
 _FAILING = {"FAILED", "ERROR"}
 _SUMMARY_HEADER = re.compile(r"^=+ short test summary info =+\s*$")
-_RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)")
+_RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(.+?)(?:\s+-\s.*)?$")
+_SKIP_COUNT = re.compile(r"^\[(\d+)\]\s")  # SKIPPED [3] file.py:9: reason  (three tests on one line)
 _FINAL_LINE = re.compile(r"^=+ (.*\b(?:passed|failed|error|errors|skipped|xfailed|xpassed)\b.*) in [\d.]+s.*=+\s*$")
 _FINAL_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)")
 
@@ -83,8 +84,11 @@ def parse_pytest(output: str) -> Optional[TestCounts]:
             m = _RESULT_LINE.match(line)
             if m:
                 status, test = m.groups()
-                # a test that failed in teardown after passing is reported twice: failing wins
-                statuses[test] = statuses.get(test, True) and status in _PASSING
+                skipped = _SKIP_COUNT.match(test) if status == "SKIPPED" else None
+                for k in range(int(skipped.group(1)) if skipped else 1):
+                    key = f"{test}#{k}" if skipped else test
+                    # a test that failed in teardown after passing is reported twice: failing wins
+                    statuses[key] = statuses.get(key, True) and status in _PASSING
             elif line.startswith("="):
                 in_summary = False
     if statuses:
