@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -157,6 +158,35 @@ def test_cannot_read_secrets_in_the_run_dir_or_home(cfg, tmp_path):
     python_dirs = {Path(p).relative_to(Path.home()).parts[0] for p in (sys.prefix, sys.base_prefix)
                    if Path(p).is_relative_to(Path.home())}
     assert shown <= python_dirs, shown
+
+
+def test_cannot_see_or_signal_host_processes_nor_become_root(cfg):
+    head, tail = secrets.token_hex(6), secrets.token_hex(6)
+    # a host process whose command line carries a token the sandbox's own script never spells out whole
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", head + tail])
+    script = (f"kill -0 {host.pid} 2>/dev/null && echo SIGNALLED; "
+              f"t={head}; t=${{t}}{tail}; grep -l \"$t\" /proc/[0-9]*/cmdline 2>/dev/null; "
+              "echo PROCS $(ls /proc | grep -c '^[0-9]'); "
+              "python3 -c 'import os; os.setuid(0)' 2>/dev/null && echo BECAME-ROOT; "
+              "grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs)' /proc/self/status")
+
+    async def go():
+        async with open_sandbox(cfg) as sb:
+            return await sb.exec(script)
+
+    try:
+        r = run(go())
+        assert host.poll() is None  # still alive: nothing inside reached it
+    finally:
+        host.kill()
+        host.wait()
+    # grep -l names every process whose command line holds the token: none may be the host's
+    assert "SIGNALLED" not in r.stdout and "/cmdline" not in r.stdout and "BECAME-ROOT" not in r.stdout, r
+    assert int(r.stdout.split("PROCS ")[1].split()[0]) <= 8  # only this exec's own processes
+    status = dict(line.split(":") for line in r.stdout.splitlines() if ":" in line)
+    assert {k: v.strip() for k, v in status.items()} == {
+        "CapEff": "0000000000000000", "CapPrm": "0000000000000000", "CapBnd": "0000000000000000",
+        "NoNewPrivs": "1"}
 
 
 def test_fork_bomb_stays_within_max_procs(cfg):
