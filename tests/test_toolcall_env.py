@@ -258,6 +258,24 @@ def test_a_cell_past_its_time_limit_is_killed_and_the_interpreter_goes_on(tmp_pa
     asyncio.run(go())
 
 
+def test_a_reply_runs_at_most_four_calls_and_long_output_keeps_its_tail(tmp_path):
+    skip_unless_available("bwrap")
+
+    async def go():
+        env = _env(tmp_path)
+        await env.reset(TASK)
+        calls = "\n".join(format_tool_call(f"n = {k}\nprint(n)") for k in range(6))
+        out = await env.step(calls)
+        texts = [m["content"] for m in out.observation.messages]
+        assert texts[:3] == ["0", "1", "2"] and texts[3].startswith("3\n[2 more calls were not run")
+        assert out.info["tool_calls"] == 4
+        long = await env.step(format_tool_call("for i in range(5000):\n    print(f'line {i}')"))
+        text = long.observation.messages[0]["content"]
+        assert text.startswith("[... ") and text.endswith("line 4999") and len(text) < 2100
+        await env.close()
+    asyncio.run(go())
+
+
 def test_tool_results_render_as_tool_responses_after_the_reply(tmp_path):
     skip_unless_available("bwrap")
 
