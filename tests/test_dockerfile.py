@@ -355,3 +355,18 @@ def test_dockerignore_last_rule_wins_and_a_directory_rule_covers_its_contents():
     assert is_ignored("notes.md", rules) and not is_ignored("README.md", rules)
     assert not is_ignored("sub/notes.md", rules)  # * stays within one path component
     assert is_ignored("a/b/cache/x.bin", rules) and not is_ignored("a/b/cached", rules)
+
+
+def test_a_prebuilt_docker_image_runs_only_when_it_is_a_common_base(tmp_path):
+    def task(name: str, image: str) -> Path:
+        d = tmp_path / name
+        (d / "tests").mkdir(parents=True)
+        (d / "task.toml").write_text(f'[environment]\ndocker_image = "{image}"\n')
+        (d / "instruction.md").write_text("x")
+        (d / "tests" / "test.sh").write_text("true\n")
+        return d
+    plan = plan_of(task("base", "python:3.12-slim"))
+    assert (plan.base_image, plan.workdir) == ("python:3.12-slim", "/app")
+    spec, _ = read_harbor(task("own", "acme/runner:1"))
+    with pytest.raises(TaskRefused, match=r"^own: image acme/runner:1: needs its own image acme/runner:1 "):
+        plan_environment(spec)
