@@ -368,5 +368,5 @@ def test_a_prebuilt_docker_image_runs_only_when_it_is_a_common_base(tmp_path):
     plan = plan_of(task("base", "python:3.12-slim"))
     assert (plan.base_image, plan.workdir) == ("python:3.12-slim", "/app")
     spec, _ = read_harbor(task("own", "acme/runner:1"))
-    with pytest.raises(TaskRefused, match=r"^own: image acme/runner:1: needs its own image acme/runner:1 "):
+    with pytest.raises(TaskRefused, match=r"^own: needs its own image acme/runner:1 \(only debian"):
         plan_environment(spec)

@@ -184,7 +184,7 @@ def test_compose_with_services_network_or_an_image_of_its_own_is_refused(tmp_pat
         "two": ("services:\n  client:\n    build: .\n  db:\n    image: postgres:16\n",
                 "two: needs 2 containers on a network of their own (client, db)"),
         "net": ("services:\n  client:\n    build: .\n    network_mode: host\n", "net: asks for network"),
-        "img": ("services:\n  client:\n    image: acme/runner:1\n", "img: image acme/runner:1: needs its own image"),
+        "img": ("services:\n  client:\n    image: acme/runner:1\n", "img: needs its own image acme/runner:1"),
     }
     for name, (compose, message) in cases.items():
         with pytest.raises(TaskRefused) as e:

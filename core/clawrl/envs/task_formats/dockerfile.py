@@ -117,7 +117,7 @@ def _plan_task(spec: TerminalTaskSpec, base_env: Optional[Mapping[str, str]]) ->
         raise TaskRefused("asks for network, and the sandbox has none (every sandbox.backend runs tasks in an "
                           "empty network namespace)")
     if spec.image is not None:
-        _check_base(spec.image, f"image {spec.image}")
+        _check_base(spec.image, "")
     workdir = spec.workdir or DEFAULT_WORKDIR
     if spec.dockerfile is None:  # the host as it is, in the declared working directory
         return EnvironmentPlan(base_image=spec.image, workdir=workdir, env={},
@@ -195,7 +195,7 @@ def is_common_base(image: str) -> bool:
 def _check_base(image: str, at: str) -> None:
     if not is_common_base(image):
         shown = image.split("@", 1)[0]
-        raise TaskRefused(f"{at}: needs its own image {shown} (only {', '.join(COMMON_BASES)} bases run here, on "
+        raise TaskRefused(f"{at + ': ' if at else ''}needs its own image {shown} (only {', '.join(COMMON_BASES)} bases run here, on "
                           f"the host's userland; an image of its own needs a container backend, which no "
                           f"sandbox.backend provides)")
 
