@@ -22,8 +22,11 @@ from clawrl.envs.task_formats.spec import HARBOR, UNSPLIT, TerminalTaskSpec
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser under its old name
-    import tomli as tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as the optional tomli package, if installed
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
 
 TASK_FILE = "task.toml"
 INSTRUCTION_FILE = "instruction.md"
@@ -38,6 +41,8 @@ def read_harbor(path: Path) -> tuple[TerminalTaskSpec, str]:
     """The spec and declared split of the Harbor task directory ``path``; EnvError naming the file
     and key for anything malformed."""
     toml_file = path / TASK_FILE
+    if tomllib is None:
+        raise EnvError(f"{toml_file}: reading Harbor tasks needs Python 3.11+ or the tomli package (pip install tomli)")
     try:
         config = tomllib.loads(toml_file.read_text())
     except (OSError, UnicodeDecodeError) as e:
