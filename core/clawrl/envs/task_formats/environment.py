@@ -122,7 +122,10 @@ async def _unpack(sandbox: Sandbox, archive: Path, dest: str, chmod: int | None)
             name = PurePosixPath(m.name)
             if name.is_absolute() or ".." in name.parts:
                 raise SandboxError(f"{archive.name}: member {m.name} would land outside {dest}")
-        tar.extractall(tmp, members=members, filter="data")
+        try:
+            tar.extractall(tmp, members=members, filter="data")
+        except TypeError:  # Python before 3.10.12/3.11.4 has no filter; the members were checked above
+            tar.extractall(tmp, members=members)
         await copy_into(sandbox, Path(tmp), dest)
         if chmod is not None:
             await sandbox.exec(["chmod", "-R", format(chmod, "o"), dest])
