@@ -7,11 +7,12 @@ other value names an environment class, built in or ``dir/file.py:ClassName``.
 """
 from clawrl.envs.base import Env, EnvError, Observation, StepOutcome, Task
 from clawrl.envs.terminal import TerminalEnv
+from clawrl.envs.toolcall import ToolCallEnv
 from clawrl.plugins import plugin_class
 
 CHAT = "chat"
-# Built-in environments by name; the agentic environments (toolcall, swe, gui) join here.
-ENVS: dict[str, type[Env]] = {"terminal": TerminalEnv}
+# Built-in environments by name; the agentic environments (swe, gui) join here.
+ENVS: dict[str, type[Env]] = {"terminal": TerminalEnv, "toolcall": ToolCallEnv}
 
 
 def env_class(spec: str) -> type[Env]:
