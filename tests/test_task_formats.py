@@ -197,6 +197,17 @@ def test_network_is_refused_before_any_sandbox_opens():
         plan_environment(spec("harbor-needs-network"))
 
 
+@pytest.mark.parametrize("mode, asks", [("no-network", False), ("none", False), ("public", True),
+                                         ("allowlist", True)])
+def test_harbor_network_modes(tmp_path, mode, asks):
+    task = tmp_path / "n"
+    (task / "tests").mkdir(parents=True)
+    (task / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    (task / "task.toml").write_text(f'[environment]\nnetwork_mode = "{mode}"\n')
+    (task / "instruction.md").write_text("x")
+    assert spec_of(discover(task)[0].task).network is asks
+
+
 def test_memory_in_the_older_spelling(tmp_path):
     task = tmp_path / "m"
     task.mkdir()

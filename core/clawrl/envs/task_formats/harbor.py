@@ -8,7 +8,7 @@ writes a reward to /logs/verifier/reward.txt or reward.json) and ``solution/solv
 Settings we read from ``[environment]``: ``cpus``, ``memory_mb`` (or the older ``memory`` as
 "2G"/"512M"), ``build_timeout_sec``, ``workdir``, ``docker_image`` (a prebuilt image: only a
 common base image runs here), and network: ``allow_internet = true`` or a ``network_mode`` other
-than "none" asks for network, which is refused when the task is run. The split is
+than "no-network" (or Docker's "none") asks for network, which is refused when the task is run. The split is
 ``[metadata] split``. Unknown keys are ignored, as Harbor ignores them.
 """
 from __future__ import annotations
@@ -19,6 +19,10 @@ from typing import Any, Optional
 
 from clawrl.envs.base import EnvError
 from clawrl.envs.task_formats.spec import HARBOR, UNSPLIT, TerminalTaskSpec
+
+# network_mode values that mean no network: Harbor's own "no-network" (its modes are public,
+# no-network and allowlist) and Docker's "none".
+NO_NETWORK_MODES = ("no-network", "none", "")
 
 try:
     import tomllib
@@ -151,4 +155,4 @@ def _asks_network(table: dict, file: Path) -> bool:
     if not isinstance(allow, bool):
         raise EnvError(f"{file}: [environment] allow_internet must be true or false, not {allow!r}")
     mode = table.get("network_mode", "none")
-    return allow or (isinstance(mode, str) and mode.strip().lower() not in ("none", ""))
+    return allow or (isinstance(mode, str) and mode.strip().lower() not in NO_NETWORK_MODES)
