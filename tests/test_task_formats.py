@@ -144,6 +144,7 @@ def test_harbor_spec_reads_limits_paths_and_commands():
     assert s.tests_dir == FIXTURES / "harbor-word-count" / "tests" and s.test_command == "bash /tests/test.sh"
     assert s.solution == FIXTURES / "harbor-word-count" / "solution" / "solve.sh" and s.parser is None
     assert s.build_timeout_s == 120.0 and s.metadata["category"] == "text-processing"
+    assert s.test_env == {"TEST_DIR": "/tests"}
 
 
 def test_tb1_spec_reads_task_yaml_compose_and_test_script():

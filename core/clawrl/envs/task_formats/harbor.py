@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from clawrl.envs.base import EnvError
-from clawrl.envs.task_formats.spec import HARBOR, UNSPLIT, TerminalTaskSpec
+from clawrl.envs.task_formats.spec import HARBOR, TESTS_DIR, UNSPLIT, TerminalTaskSpec
 
 # network_mode values that mean no network: Harbor's own "no-network" (its modes are public,
 # no-network and allowlist) and Docker's "none".
@@ -88,7 +88,8 @@ def read_harbor(path: Path) -> tuple[TerminalTaskSpec, str]:
         test_command="bash /tests/test.sh",
         solution=solve if solve.is_file() else None,
         parser=None,
-        test_env={str(k): str(v) for k, v in verifier_env.items()},
+        # TEST_DIR as Terminal-Bench 1.0 sets it: tasks converted from it still read it
+        test_env={"TEST_DIR": TESTS_DIR, **{str(k): str(v) for k, v in verifier_env.items()}},
         build_timeout_s=_seconds(environment, "build_timeout_sec", "environment", toml_file),
         image=_optional_str(environment, "docker_image", toml_file),
         refusal=refusal,
