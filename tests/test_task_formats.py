@@ -330,13 +330,19 @@ def test_tests_are_absent_until_verify_and_planted_rewards_do_not_count(sandbox_
     assert (verdict.reward, verdict.detail) == (0.0, "reward.txt says 0")  # the real test.sh ran
 
 
-def write_task(tmp_path: Path, test_sh: str, verifier_timeout: float = 30.0):
+def write_task(tmp_path: Path, test_sh: str, verifier_timeout: float = 30.0, verifier_extra: str = ""):
     task = tmp_path / "v"
     (task / "tests").mkdir(parents=True)
-    (task / "task.toml").write_text(f"[verifier]\ntimeout_sec = {verifier_timeout}\n")
+    (task / "task.toml").write_text(f"[verifier]\ntimeout_sec = {verifier_timeout}\n{verifier_extra}")
     (task / "instruction.md").write_text("x")
     (task / "tests" / "test.sh").write_text(test_sh)
     return spec_of(discover(task)[0].task)
+
+
+def test_verifier_env_reaches_the_tests_only(sandbox_cfg, tmp_path):
+    s = write_task(tmp_path, 'test "$MODE/$TEST_DIR" = strict//tests && echo 1 > /logs/verifier/reward.txt\n',
+                   verifier_extra='env = { MODE = "strict" }\n')
+    assert episode(sandbox_cfg, s, oracle=False, agent='test -z "$MODE" || exit 1').reward == 1.0
 
 
 def test_verifier_timeout_is_reward_zero_saying_so(sandbox_cfg, tmp_path):
