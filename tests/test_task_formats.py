@@ -339,10 +339,10 @@ def write_task(tmp_path: Path, test_sh: str, verifier_timeout: float = 30.0, ver
     return spec_of(discover(task)[0].task)
 
 
-def test_verifier_env_reaches_the_tests_only(sandbox_cfg, tmp_path):
+def test_verifier_env_reaches_the_verifier(sandbox_cfg, tmp_path):
     s = write_task(tmp_path, 'test "$MODE/$TEST_DIR" = strict//tests && echo 1 > /logs/verifier/reward.txt\n',
                    verifier_extra='env = { MODE = "strict" }\n')
-    assert episode(sandbox_cfg, s, oracle=False, agent='test -z "$MODE" || exit 1').reward == 1.0
+    assert episode(sandbox_cfg, s, oracle=False).reward == 1.0
 
 
 def test_verifier_timeout_is_reward_zero_saying_so(sandbox_cfg, tmp_path):
