@@ -20,7 +20,8 @@ from typing import Optional
 
 from clawrl.envs.base import Env, EnvError, Observation, StepOutcome, Task
 from clawrl.envs.sandbox import ExecResult, Sandbox, open_sandbox
-from clawrl.envs.task_formats import TerminalTaskSpec, copy_solution, prepare_environment, verify
+from clawrl.envs.task_formats import (TerminalTaskSpec, copy_solution, plan_environment, prepare_environment,
+                                      spec_of, verify)
 
 SYSTEM_PROMPT = (
     "You are an agent working in a Linux shell with no network. The task's files are in {workdir}, your "
@@ -71,10 +72,8 @@ class TerminalEnv(Env):
         return cls(cfg.sandbox, cfg.sandbox.exec_timeout_s)
 
     async def reset(self, task: Task) -> Observation:
-        spec = task.data.get("spec")
-        if not isinstance(spec, TerminalTaskSpec):
-            raise EnvError(f"task {task.task_id} is not a terminal task (a Harbor or Terminal-Bench 1.0 directory)")
-        self.spec = spec
+        self.spec = spec = spec_of(task)
+        plan_environment(spec)  # a task the host cannot run is refused before any sandbox opens
         self.sandbox = open_sandbox(self.sandbox_cfg, cpus=spec.cpus, memory_mb=spec.memory_mb,
                                    network=spec.network)
         await prepare_environment(spec, self.sandbox)
