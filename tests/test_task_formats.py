@@ -132,6 +132,17 @@ def test_load_tasks_still_reads_row_splits_for_its_callers():
         load_tasks(str(FIXTURES / "rows-arith"), "dev", NoTasks)
 
 
+def test_load_tasks_reads_task_directories_by_their_declared_split():
+    """What an environment source rolls out: terminal tasks of one split from a mixed directory."""
+    class NoTasks:
+        pass
+    test = {t.task_id for t in load_tasks(str(FIXTURES), "test", NoTasks)}
+    assert {"harbor-reward-json", "tb1-csv-sum", "harbor-own-image"} <= test
+    assert "harbor-word-count" not in test
+    with pytest.raises(EnvError, match=r"has no dev split \(splits: test, train"):
+        load_tasks(str(FIXTURES), "dev", NoTasks)
+
+
 # ----- what a task directory becomes -----
 
 def test_harbor_spec_reads_limits_paths_and_commands():
