@@ -12,7 +12,9 @@ greedy figure is printed beside it.
 Prefill: the real OpenClaw request (``tests/fixtures/openclaw-2026.9.6/chat_turn1.json``, system
 prompt plus 12 tools) rendered with the embedded model's chat template and tokenizer; clawrl cold
 (prefix cache flushed, chunked as configured) and as a prefix-cache hit (the previous turn served
-first) against HF's single forward of the whole prompt (``logits_to_keep=1``), CUDA-synced.
+first) against HF's single forward of the whole prompt (``logits_to_keep=1``), CUDA-synced; and
+cold again while 8 other streams decode, when the engine chunks it (``engine.prefill_chunk_tokens``)
+so that they keep getting tokens (alone, a step takes 8 times that many prompt tokens).
 
 Every figure is the median of ``--repeat`` runs (at least 3 on a GPU: the first run at each batch
 size is much slower than later ones, for HF too), engine and HF interleaved. The figures go into
@@ -193,7 +195,21 @@ async def clawrl_prefill(eng: TorchEngine, prompt: list[int]) -> tuple[float, in
     return time.perf_counter() - t, r.cached_prompt_tokens
 
 
-async def run_prefill(model, lm, args, limit, repeat) -> dict:
+async def prefill_beside_decoding(eng: TorchEngine, prompt: list[int], others: list[list[int]], new: int) -> float:
+    """Cold prefill of ``prompt`` while ``others`` decode: chunked, so they keep getting tokens."""
+    await eng.flush_cache()
+    streams = [eng.stream(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)) for p in others]
+    try:
+        for st in streams:
+            await st.__anext__()  # each has its first token: all are decoding now
+        took, _ = await clawrl_prefill(eng, prompt)
+    finally:
+        for st in streams:
+            await st.aclose()  # aborts it
+    return took
+
+
+async def run_prefill(model, lm, args, limit, repeat, others: list[list[int]], others_new: int) -> dict:
     first, nxt = openclaw_prompts(args.tokenizer, limit)
     eng = TorchEngine(lm, EngineConfig())
     await eng.start()
@@ -211,17 +227,21 @@ async def run_prefill(model, lm, args, limit, repeat) -> dict:
             colds.append(cold)
             hits.append(hit)
             hfs.append(hf_prefill(model, ids))
+        busy = [await prefill_beside_decoding(eng, nxt, others, others_new) for _ in range(repeat)]
     finally:
         await eng.shutdown()
-    c, h, f = (statistics.median(x) * 1000 for x in (colds, hits, hfs))
+    c, h, f, b = (statistics.median(x) * 1000 for x in (colds, hits, hfs, busy))
     print(f"prefill {len(nxt)} tokens: clawrl cold {c:.1f} ms, prefix-cache hit {h:.1f} ms ({cached} cached), "
-          f"HF forward {f:.1f} ms, cold/HF {c / f:.2f}, hit/cold {h / c:.1%}", flush=True)
+          f"HF forward {f:.1f} ms, cold/HF {c / f:.2f}, hit/cold {h / c:.1%}; cold while {len(others)} streams "
+          f"decode {b:.1f} ms", flush=True)
     return {"openclaw": {
         "clawrl_ms": round(c, 2), "hf_ms": round(f, 2), "ratio_to_hf": round(c / f, 3),
         "hit_ms": round(h, 2), "hit_over_cold": round(h / c, 4), "tokens": len(nxt), "cached_tokens": cached,
+        "cold_beside_decoding_ms": round(b, 2), "decoding_streams": len(others),
         "prefill_chunk_tokens": eng.engine_cfg.prefill_chunk_tokens,
         "runs": {"clawrl_cold_ms": [round(x * 1000, 2) for x in colds],
-                 "clawrl_hit_ms": [round(x * 1000, 2) for x in hits], "hf_ms": [round(x * 1000, 2) for x in hfs]},
+                 "clawrl_hit_ms": [round(x * 1000, 2) for x in hits], "hf_ms": [round(x * 1000, 2) for x in hfs],
+                 "clawrl_cold_beside_decoding_ms": [round(x * 1000, 2) for x in busy]},
     }}
 
 
@@ -248,6 +268,10 @@ def table(results: dict) -> str:
         lines.append(f"| cold prefill, OpenClaw request ({p['tokens']} tokens), ms | {p['clawrl_ms']:.0f} "
                      f"| {p['hf_ms']:.0f} | {p['ratio_to_hf']:.2f} (HF/clawrl {1 / p['ratio_to_hf']:.2f}) |")
         lines.append(f"| prefix-cache hit, same request, ms | {p['hit_ms']:.1f} | | {p['hit_over_cold']:.1%} of cold |")
+        if "cold_beside_decoding_ms" in p:
+            lines.append(f"| cold prefill while {p['decoding_streams']} streams decode (chunked), ms "
+                         f"| {p['cold_beside_decoding_ms']:.0f} | {p['hf_ms']:.0f} "
+                         f"| {p['cold_beside_decoding_ms'] / p['hf_ms']:.2f} |")
     return "\n".join(lines)
 
 
@@ -285,7 +309,8 @@ def main(argv=None) -> int:
             d.update(stamp, shape=shape, prompt_tokens=prompt_len, new_tokens=new)
         results["decode"] = {**dec, "static_decode": engine}
     if args.part in ("prefill", "all"):
-        pre = asyncio.run(run_prefill(model, lm, args, limit, args.repeat))
+        others = torch.randint(0, model.config.vocab_size, (8, prompt_len)).tolist()
+        pre = asyncio.run(run_prefill(model, lm, args, limit, args.repeat, others, 4 * new))
         pre["openclaw"].update(stamp, shape=shape)
         results["prefill"] = pre
     out.parent.mkdir(parents=True, exist_ok=True)

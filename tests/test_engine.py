@@ -519,7 +519,8 @@ def test_score_spanning_a_weight_swap_is_wholly_the_new_version(model_dirs):
     a = load_model(str(model_dirs[0]), device="cpu")
     b = load_model(str(model_dirs[1]), device="cpu")
     new_state = {k: v.clone() for k, v in b.model.state_dict().items()}
-    p = prompts(1, vocab(a), seed=25, lo=300, hi=301)[0]
+    # alone (nobody decoding) a step prefills 8 x prefill_chunk_tokens = 64: 1000 tokens take 16 steps
+    p = prompts(1, vocab(a), seed=25, lo=1000, hi=1001)[0]
     resp = prompts(1, vocab(a), seed=26, lo=8, hi=9)[0]
 
     async def go():
@@ -535,3 +536,15 @@ def test_score_spanning_a_weight_swap_is_wholly_the_new_version(model_dirs):
     ref = torch.log_softmax(hf_logits(b.model, p + resp), -1)[len(p) - 1: -1]
     assert sc.weight_version == 1
     assert sc.logprobs == pytest.approx(ref.gather(1, torch.tensor(resp)[:, None])[:, 0].tolist(), abs=1e-4)
+
+
+def test_prompt_alone_is_prefilled_in_larger_chunks(loaded):
+    """Chunking keeps others decoding; with nobody decoding a step takes 8 x prefill_chunk_tokens."""
+    long_prompt = prompts(1, vocab(loaded), seed=27, lo=400, hi=401)[0]
+
+    async def go():
+        async with running(loaded, prefill_chunk_tokens=16) as eng:
+            await eng.generate(long_prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+            return eng.steps
+
+    assert run(go()) == 4  # ceil(400 / 128)

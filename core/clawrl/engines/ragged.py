@@ -12,11 +12,14 @@ Covers Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q_norm/k_norm) without slidin
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+log = logging.getLogger(__name__)
 
 RAGGED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 # Decoding sequences shorter than this are attended in one padded batch (see RaggedForward.forward).
@@ -121,13 +124,57 @@ def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     eps = getattr(module, "variance_epsilon", None)
     if eps is None:
         return module(x)
-    return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    # computed in fp32 and rounded once to x's dtype, as the module does before applying its weight
+    return module.weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+class _Fused:
+    """One layer's fused weights: views of these are the module parameters themselves."""
+
+    def __init__(self, qkv_w, qkv_b, gate_up_w):
+        self.qkv_w, self.qkv_b, self.gate_up_w = qkv_w, qkv_b, gate_up_w
+
+
+def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Concatenate ``params`` (along dim 0) into one new tensor and make each parameter a view of
+    it, so the fused tensor and the parameters share storage: a weight update copied into the
+    parameters (in place) is what the fused matmul reads, with no second copy to keep in sync."""
+    fused = torch.cat([p.detach() for p in params])
+    for p, view in zip(params, fused.split([p.shape[0] for p in params])):
+        p.data = view
+    return fused
+
+
+def fuse_weights(runner: RaggedForward) -> list[_Fused]:
+    """Per layer: q/k/v (and their biases) as one weight, gate/up as one (Llama-family MLPs)."""
+    out = []
+    with torch.no_grad():
+        for layer in runner.inner.layers:
+            a = layer.self_attn
+            qkv_w = _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            qkv_b = _fuse(biases) if all(bias is not None for bias in biases) else None
+            if any(bias is not None for bias in biases) and qkv_b is None:
+                raise ValueError("q/k/v projections with and without bias")
+            mlp = layer.mlp
+            gate_up = None
+            if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) \
+                    and mlp.gate_proj.bias is None and mlp.up_proj.bias is None:
+                gate_up = _fuse([mlp.gate_proj.weight, mlp.up_proj.weight])
+            out.append(_Fused(qkv_w, qkv_b, gate_up))
+    return out
+
+
+def fused_intact(runner: RaggedForward, fused: list[_Fused]) -> bool:
+    """Whether every parameter is still a view of its fused tensor (something that replaces a
+    parameter's storage, instead of copying into it, breaks that)."""
+    for layer, f in zip(runner.inner.layers, fused):
+        a = layer.self_attn
+        if a.q_proj.weight.data_ptr() != f.qkv_w.data_ptr():
+            return False
+        if f.gate_up_w is not None and layer.mlp.gate_proj.weight.data_ptr() != f.gate_up_w.data_ptr():
+            return False
+    return True
 
 
 class RaggedForward:
@@ -145,8 +192,53 @@ class RaggedForward:
         self.n_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.qk_norm = hasattr(attn, "q_norm")
+        eps = [getattr(getattr(attn, n, None), "variance_epsilon", None) for n in ("q_norm", "k_norm")]
+        self.qk_eps = eps[0] if eps[0] is not None and eps[0] == eps[1] else None  # None: the modules' own
         self.scaling = attn.scaling
         self._pool = _DecodePool()
+        self.fused = fuse_weights(self)
+
+    def check_weights(self) -> bool:
+        """After a weight update: if a parameter no longer shares storage with its fused tensor
+        (something replaced it instead of copying into it), fuse again. True if it did."""
+        if fused_intact(self, self.fused):
+            return False
+        log.warning("a parameter's storage was replaced: fusing the weights again")
+        self.fused = fuse_weights(self)
+        return True
+
+    def rope_tables(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and a signed ``sin`` ``[n, 1, head_dim]`` for ``qkv``: rotate_half(t) * sin equals
+        roll(t, half) * [-sin_1, sin_2], one kernel (roll) where rotate_half takes two (neg, cat)."""
+        cos, sin = self.inner.rotary_emb(x[None], pos[None])
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[0][:, :half], sin[0][:, half:]), dim=-1)
+        return cos[0][:, None, :], sin[:, None, :]
+
+    def qkv(self, li: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer ``li``'s rotated q ``[n, heads, d]``, k and v ``[n, kv_heads, d]`` from normed ``h``:
+        one matmul for all three, q and k normalised and rotated together (same values as the HF
+        modules, in fewer kernels: at decode the kernel count, not the bytes, sets the step time)."""
+        f, attn = self.fused[li], self.inner.layers[li].self_attn
+        hq, hkv, d = self.n_heads, self.kv_heads, self.head_dim
+        n = h.shape[0]
+        qkv = F.linear(h, f.qkv_w, f.qkv_b)
+        qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+        if self.qk_norm and self.qk_eps is not None:
+            qk = F.rms_norm(qk, (d,), eps=self.qk_eps) * torch.cat(
+                (attn.q_norm.weight.expand(hq, d), attn.k_norm.weight.expand(hkv, d)))
+        elif self.qk_norm:
+            qk = torch.cat((attn.q_norm(qk[:, :hq]), attn.k_norm(qk[:, hq:])), dim=1)
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+        return qk[:, :hq], qk[:, hq:], v
+
+    def mlp(self, li: int, h: torch.Tensor) -> torch.Tensor:
+        f, mlp = self.fused[li], self.inner.layers[li].mlp
+        if f.gate_up_w is None:
+            return mlp(h)
+        gate, up = F.linear(h, f.gate_up_w).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def sync(self) -> None:
         """Make every sequence's own KV buffers complete (the decode batch appends only to itself)."""
@@ -171,8 +263,7 @@ class RaggedForward:
         ids = to_device([t for s in segments for t in s.ids], dev)
         pos = to_device([p for st, n in zip(starts, lens) for p in range(st, st + n)], dev)
         x = self.inner.embed_tokens(ids)
-        cos, sin = self.inner.rotary_emb(x[None], pos[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        cos, sin = self.rope_tables(x, pos)
         total = ids.shape[0]
         offs = [0]
         for n in lens[:-1]:
@@ -196,12 +287,7 @@ class RaggedForward:
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             h = rms_norm(layer.input_layernorm, x)
-            q = attn.q_proj(h).view(total, self.n_heads, self.head_dim)
-            k = attn.k_proj(h).view(total, self.kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(total, self.kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = self.qkv(li, h, cos, sin)
             out = q.new_empty(total, self.n_heads * self.head_dim)
             for i in single:
                 seg, st, n, off = segments[i], starts[i], lens[i], offs[i]
@@ -218,7 +304,7 @@ class RaggedForward:
             if batched:
                 out[rows_b] = self._batched_decode(li, q[rows_b], k[rows_b], v[rows_b], pool, pos_b, width, pad_mask)
             x = x + attn.o_proj(out)
-            x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+            x = x + self.mlp(li, rms_norm(layer.post_attention_layernorm, x))
         for s, n in zip(segments, lens):
             s.kv.length += n
         rows, off = [], 0

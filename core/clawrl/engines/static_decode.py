@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from clawrl.engines.base import SamplingParams
-from clawrl.engines.ragged import RaggedForward, SeqKV, _rope, rms_norm, to_device
+from clawrl.engines.ragged import RaggedForward, SeqKV, rms_norm, to_device
 from clawrl.engines.sampling import draw, draw_options, pack
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,12 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.captures = 0
+
+    def check_weights(self) -> None:
+        """After a weight update: if the runner had to fuse its weights again (new tensors), drop the
+        graphs, which captured the old addresses."""
+        if self.runner.check_weights():
+            self.drop_graphs()
 
     # ------------------------------------------------------------------ membership
 
@@ -231,33 +237,32 @@ class StaticDecoder:
         return graph
 
     def _forward(self, b: int, w: int) -> None:
-        """One decode step for slots ``[0, b)`` attending over ``[0, w)``; writes ``self.logits[:b]``."""
+        """One decode step for slots ``[0, b)`` attending over ``[0, w)``; writes ``self.logits[:b]``.
+
+        Written for few kernels, since at decode each kernel is tiny and their count, not the bytes,
+        sets the step time: q, k and v come from one matmul and gate/up from another (the fused
+        weights of ``fuse_weights``), q and k are normalised and rotated together, and the padding
+        mask is made once per step."""
         r = self.runner
         inner = r.inner
+        hq, hkv, d = r.n_heads, r.kv_heads, r.head_dim
         ids, pos, rows = self.ids[:b], self.pos[:b], self.rows[:b]
         x = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(x[None], pos[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
-        group = r.n_heads // r.kv_heads
+        cos, sin = r.rope_tables(x, pos)
         # the query heads sharing a KV head act as that head's queries: [b, kv_heads, group, dim]
-        mask = (torch.arange(w, device=ids.device)[None, :] <= pos[:, None])[:, None, None, :]
+        visible = torch.arange(w, device=ids.device)[None, :] <= pos[:, None]
+        mask = torch.zeros(b, 1, 1, w, dtype=x.dtype, device=x.device).masked_fill_(
+            ~visible[:, None, None, :], float("-inf"))
         for li, layer in enumerate(inner.layers):
-            attn = layer.self_attn
             h = rms_norm(layer.input_layernorm, x)
-            q = attn.q_proj(h).view(b, r.n_heads, r.head_dim)
-            k = attn.k_proj(h).view(b, r.kv_heads, r.head_dim)
-            v = attn.v_proj(h).view(b, r.kv_heads, r.head_dim)
-            if r.qk_norm:
-                q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = r.qkv(li, h, cos, sin)
             kc, vc = self.arena[li, 0], self.arena[li, 1]
             kc[rows, :, pos] = k
             vc[rows, :, pos] = v
             o = F.scaled_dot_product_attention(
-                q.view(b, r.kv_heads, group, r.head_dim), kc[:b, :, :w], vc[:b, :, :w],
-                attn_mask=mask, scale=r.scaling)
-            x = x + attn.o_proj(o.reshape(b, r.n_heads * r.head_dim))
-            x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+                q.reshape(b, hkv, hq // hkv, d), kc[:b, :, :w], vc[:b, :, :w], attn_mask=mask, scale=r.scaling)
+            x = x + layer.self_attn.o_proj(o.reshape(b, hq * d))
+            x = x + r.mlp(li, rms_norm(layer.post_attention_layernorm, x))
         self.logits[:b] = r.model.lm_head(rms_norm(inner.norm, x)).float()
 
 

@@ -40,6 +40,9 @@ from clawrl.engines.static_decode import StaticDecoder, default_capacity
 
 log = logging.getLogger(__name__)
 
+# With no request decoding, a step prefills up to this many times engine.prefill_chunk_tokens.
+SOLO_PREFILL_FACTOR = 8
+
 
 @dataclass(eq=False)
 class _Request:
@@ -296,6 +299,8 @@ class TorchEngine(Engine):
         with torch.no_grad():
             for name, value in state.items():
                 targets[name].copy_(value.to(device=targets[name].device, dtype=targets[name].dtype))
+        if self.decoder is not None:
+            self.decoder.check_weights()
         self.weight_version = version
         self.prefix_cache.flush()
         for req in self._running:
@@ -410,6 +415,11 @@ class TorchEngine(Engine):
                 segments.append(Segment(req.kv, [req.out_ids[-1]], [0]))
                 owners.append(req)
         budget = self.engine_cfg.prefill_chunk_tokens
+        if not segments and not (dec is not None and len(dec)):
+            # nobody is decoding, so there is no one to keep flowing: a long prompt goes in fewer,
+            # larger chunks (on a GPU a 2048-token chunk is host-bound; one 15k-token OpenClaw prompt
+            # takes 1.4x HF's single forward in 2048-token chunks and 1.0x in one)
+            budget *= SOLO_PREFILL_FACTOR
         for req in candidates:
             if budget <= 0 or (segments and not self.runner.ragged):
                 break
