@@ -91,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("overrides", nargs="*", help="key=value overrides: model.path, cluster.tp, cluster.pp, "
                                                  "cluster.procs_per_node (ranks; the rest is data parallel)")
 
-    ev = sub.add_parser("env", help="list, check and run an environment's tasks (terminal-rl, task directories)",
+    ev = sub.add_parser("env", help="list, check, run and evaluate an environment's tasks (terminal-rl, "
+                                    "toolcall-rl, task directories)",
                         description="NAME|PATH: a method directory (terminal-rl, ...) here or in the repo, or a "
                                     "task set: a task directory (Harbor or Terminal-Bench 1.0), a directory of "
                                     "them, a dataset.toml directory or a .jsonl file.")
@@ -103,7 +104,20 @@ def _parser() -> argparse.ArgumentParser:
     er.add_argument("--task", default=None, metavar="ID", help="the task (optional when there is one)")
     er.add_argument("--policy", choices=POLICIES, default="oracle",
                     help="oracle: the task's solution; nop: do nothing; model: the configured model")
-    for p_ in (el, ec, er):
+    ee = esub.add_parser("eval", help="success rate of the model on a split; the last line is JSON: success_rate, "
+                                      "mean_reward, episodes, weight_version",
+                         description="Play every task of a split --n times and report the success rate. Weights: "
+                                     "the run directory's newest complete checkpoint (read beside a live server, "
+                                     "without its lock; nothing is written there), else model.path, else the "
+                                     "embedded model. Progress on stderr; the last line of stdout is JSON.")
+    ee.add_argument("--split", default="test", help="the split to evaluate (default: test)")
+    ee.add_argument("--run-dir", default=None, metavar="D",
+                    help="evaluate run D's newest complete checkpoint (default: the base model)")
+    ee.add_argument("--n", default="1", metavar="N", help="plays of each task (default: 1)")
+    ee.add_argument("--temperature", default="0", metavar="T",
+                    help="sampling temperature (default: 0, greedy); each play samples with its own seed")
+    ee.add_argument("--limit", default=None, metavar="N", help="only the first N tasks of the split")
+    for p_ in (el, ec, er, ee):
         p_.add_argument("target", metavar="NAME|PATH")
         p_.add_argument("overrides", nargs="*", help="key=value config overrides (env.*, sandbox.*, model.path, ...)")
 

@@ -9,6 +9,9 @@ directory, a directory of tasks (formats may be mixed), a ``dataset.toml`` direc
 - ``check`` plays the oracle and the no-op on every task and prints one JSON line per task; it
   exits 0 when at least one oracle ran and none failed (oracle at full reward, no-op below it).
 - ``run`` plays one episode (oracle, no-op or the model) and ends with one JSON line.
+- ``eval`` plays every task of a split ``--n`` times with the model (a run's newest complete
+  checkpoint with ``--run-dir``) and ends with one JSON line: the success rate, the mean reward,
+  the episodes and the weight version (``clawrl.orchestration.evaluation``).
 
 Usage errors exit 2 with a one-line reason (``CliError``); a check that finds a broken task exits 1.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +28,15 @@ from clawrl.config import ClawrlConfig, compose
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.engines.base import SamplingParams
-from clawrl.envs import CHAT, ENVS, Env, EnvError, env_class
+from clawrl.envs import Env, EnvError
 from clawrl.envs.rollout import run_episode
 from clawrl.envs.scripted import NOP, ORACLE, EpisodeReport, NoOracle, play, success_of
 from clawrl.envs.task_formats import TaskRecord, discover
 from clawrl.errors import CliError
+from clawrl.orchestration.evaluation import episode_env, evaluate, open_eval_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 METHOD_CONFIG = "config.yaml"
-# The environment a task directory's format implies when the method or env.name does not say.
-FORMAT_ENVS = {"harbor": "terminal", "tb1": "terminal"}
 # Tasks checked at once: each holds a sandbox, and the box may have 2 cores.
 CHECK_CONCURRENCY = 4
 POLICIES = (ORACLE, NOP, "model")
@@ -49,11 +52,7 @@ class TaskSet:
     def env_for(self, record: TaskRecord) -> Env:
         """A fresh environment for one episode of ``record``: ``env.name`` when it names one,
         else the one the task's format implies."""
-        name = self.cfg.env.name if self.cfg.env.name != CHAT else FORMAT_ENVS.get(record.format)
-        if name is None:
-            raise EnvError(f"task {record.task.task_id} is a row of a dataset: say which environment plays it "
-                           f"with env.name=NAME (built in: {', '.join(sorted(ENVS)) or 'none'}) or dir/file.py:Class")
-        return env_class(name).from_config(self.cfg)
+        return episode_env(self.cfg, record)
 
     def find(self, task_id: str | None) -> TaskRecord:
         if task_id is None:
@@ -104,6 +103,8 @@ def env_cli(args) -> int:
         return 0
     if args.env_cmd == "check":
         return asyncio.run(_check(task_set))
+    if args.env_cmd == "eval":
+        return _eval(task_set, args)
     record = task_set.find(args.task)
     try:
         report = asyncio.run(_run(task_set, record, args.policy))
@@ -170,3 +171,54 @@ async def _run(task_set: TaskSet, record: TaskRecord, policy: str) -> EpisodeRep
     return EpisodeReport(task=record.task.task_id, reward=episode.reward, success=success_of(episode.reward, episode.info),
                          turns=episode.turns, truncated=episode.truncated, reason=str(reason),
                          transcript=episode.transcript)
+
+
+def _count(value: str, flag: str) -> int:
+    """A whole number >= 1 from the command line, or a one-line usage error."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise CliError(f"{flag} must be a whole number >= 1, got {value!r}") from None
+    if number < 1:
+        raise CliError(f"{flag} must be a whole number >= 1, got {value!r}")
+    return number
+
+
+def split_records(task_set: TaskSet, split: str, limit: int | None) -> list[TaskRecord]:
+    """The tasks of ``split`` in task-set order, the first ``limit`` of them when given."""
+    records = [r for r in task_set.records if r.split == split]
+    if not records:
+        known = sorted({r.split for r in task_set.records})
+        raise CliError(f"no tasks in split {split!r} here (splits: {', '.join(known) or 'none'})")
+    return records[:limit] if limit is not None else records
+
+
+def _eval(task_set: TaskSet, args) -> int:
+    """``clawrl env eval``: progress and notes on stderr, the result as the last line of stdout.
+    Exit 0 when the evaluation ran, 1 when no episode could be played at all."""
+    n = _count(args.n, "--n")
+    limit = None if args.limit is None else _count(args.limit, "--limit")
+    try:
+        temperature = float(args.temperature)
+    except ValueError:
+        temperature = -1.0
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise CliError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature!r}")
+    records = split_records(task_set, args.split, limit)
+    result = asyncio.run(_evaluate(task_set.cfg, args.run_dir, records, n, temperature))
+    if result.failed:
+        reasons = sorted({s.error for s in result.scores if s.failed and s.error})
+        print(f"clawrl: {result.failed} of {result.episodes} episodes could not be played (left out of the "
+              f"rates): {'; '.join(reasons[:3])}", file=sys.stderr)
+    print(json.dumps(result.as_json()), flush=True)
+    return 0 if result.failed < result.episodes else 1
+
+
+async def _evaluate(cfg, run_dir, records: list[TaskRecord], n: int, temperature: float):
+    engine, notes = await open_eval_engine(cfg, run_dir)
+    for note in notes:
+        print(f"clawrl: {note}", file=sys.stderr, flush=True)
+    try:
+        return await evaluate(cfg, engine, records, n=n, temperature=temperature, progress=True)
+    finally:
+        await engine.shutdown()
