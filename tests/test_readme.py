@@ -140,6 +140,16 @@ def _check(line: str, out: subprocess.CompletedProcess, url: str, work: Path) ->
     elif line.startswith("clawrl env check"):
         lines = [json.loads(r) for r in out.stdout.splitlines()]
         assert len(lines) >= 24 and all(r["status"] == "ok" and r["oracle"] == 1.0 > r["nop"] for r in lines), lines
+    elif line.startswith("clawrl env eval"):
+        result = json.loads(out.stdout.splitlines()[-1])
+        limit = re.search(r"--limit (\d+)", line)
+        split = len((ROOT / "toolcall-rl" / "data" / "test.jsonl").read_text().splitlines())
+        assert result["episodes"] == (int(limit.group(1)) if limit else split) and result["failed"] == 0, result
+        assert 0 <= result["success_rate"] <= 1 and -1 <= result["mean_reward"] <= 1, result
+        if "--run-dir" in line:  # beside the live quick-start server, which holds runs/default's lock
+            assert "clawrl: evaluating " in out.stderr or "has no complete checkpoint" in out.stderr, out.stderr
+        else:
+            assert result["weight_version"] == 0, result
     elif line.startswith("clawrl env run"):
         report = json.loads(out.stdout.splitlines()[-1])
         assert (report["reward"], report["success"]) == (1.0, True), report
