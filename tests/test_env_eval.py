@@ -21,6 +21,7 @@ from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.envs import Task
 from clawrl.envs.task_formats import TaskRecord
+from clawrl.errors import CliError
 from clawrl.orchestration.env_commands import resolve, split_records
 from clawrl.orchestration.evaluation import evaluate, newest_complete_checkpoint, open_eval_engine
 from clawrl.run_lock import RunDirBusy, RunDirLock
@@ -109,6 +110,24 @@ def test_the_checkpoints_weights_are_the_ones_evaluated(trainer, tmp_path):
     assert max(abs(a - b) for a, b in zip(base, expected)) > 1e-2  # the base model would have scored otherwise
 
 
+def test_a_lora_checkpoint_is_evaluated_merged_as_the_trainer_serves_it(tiny_model_dir, tmp_path):
+    lora = TorchTrainer(compose(["model.device=cpu", "train.lora.enabled=true"]), str(tiny_model_dir))
+    with torch.no_grad():  # peft starts B at zero, a no-op adapter: move it
+        gen = torch.Generator().manual_seed(2)
+        for name, p in lora.model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    run = tmp_path / "run"
+    assert (save(lora, run, 1, 7) / "adapter.safetensors").is_file()
+    sample = _sample(lora)
+    expected = lora.logprobs([sample])[0]
+    evaluated, version = asyncio.run(_scores(compose(SMALL), run, sample))  # the run's LoRA settings: the defaults
+    assert version == 7
+    torch.testing.assert_close(torch.tensor(evaluated), torch.tensor(expected), atol=2e-4, rtol=0)
+    with pytest.raises(CliError, match="holds a LoRA adapter that does not fit .*shape"):
+        asyncio.run(_scores(compose([*SMALL, "train.lora.r=4"]), run, sample))  # not the run's rank
+
+
 def test_a_corrupt_or_incomplete_newest_checkpoint_falls_back_to_the_newest_complete_one(trainer, tmp_path, capsys):
     run = tmp_path / "run"
     save(trainer, run, 1, 1)
@@ -131,6 +150,22 @@ def test_a_corrupt_or_incomplete_newest_checkpoint_falls_back_to_the_newest_comp
     assert last_json(out)["weight_version"] == 1
     assert "checkpoint step_3 is incomplete or corrupt" in err and "checkpoint step_2 is incomplete or corrupt" in err
     assert "does not match its checksum" in err
+
+
+def test_a_checkpoint_pruned_while_it_is_read_gives_way_to_the_newer_one(trainer, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    save(trainer, run, 1, 1)
+    original = CheckpointStore.load
+
+    def load_as_the_server_saves(store, step):
+        if step == 1 and not store.path(2).exists():  # the live server saves step_2 and prunes step_1
+            trainer.step = 2
+            CheckpointStore(run, compose(["train.keep_last=1"]).train).save(trainer, 2)
+        return original(store, step)
+
+    monkeypatch.setattr(CheckpointStore, "load", load_as_the_server_saves)
+    weights, notes = newest_complete_checkpoint(run, resolve_model(compose([])))
+    assert (weights.checkpoint.name, weights.weight_version, notes) == ("step_2", 2, [])
 
 
 def test_a_run_dir_without_checkpoints_evaluates_the_base_model_and_says_so(tmp_path, capsys):

@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers.utils import logging as transformers_logging
+
 from clawrl.config import ClawrlConfig, compose
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
@@ -205,6 +207,7 @@ def _eval(task_set: TaskSet, args) -> int:
     if not (math.isfinite(temperature) and temperature >= 0):
         raise CliError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature!r}")
     records = split_records(task_set, args.split, limit)
+    transformers_logging.disable_progress_bar()  # the evaluation's bar is the console's only one
     result = asyncio.run(_evaluate(task_set.cfg, args.run_dir, records, n, temperature))
     if result.failed:
         reasons = sorted({s.error for s in result.scores if s.failed and s.error})
