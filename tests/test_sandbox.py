@@ -295,6 +295,23 @@ def test_a_cancelled_exec_leaves_nothing_running(cfg):
     assert left == [], f"processes of uid {uid} outlived a cancelled exec: {left}"
 
 
+def test_an_exec_cancelled_while_its_process_starts_ends_at_once(cfg):
+    """Python 3.11 hangs forever when a subprocess start is cancelled mid-way (seen as a `clawrl env
+    check` that never exited after one task failed and gather cancelled the rest)."""
+    async def go():
+        async with open_sandbox(cfg) as sb:
+            for delay in (0, 0, 0.001, 0.002, 0.005):
+                task = asyncio.create_task(sb.exec("sleep 300", timeout_s=60))
+                await asyncio.sleep(delay)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(task), 30)
+            return await _gone(sb.slot.uid, within_s=2.0), sb.slot.uid
+
+    left, uid = run(go())
+    assert left == [], f"processes of uid {uid} outlived a cancelled exec: {left}"
+
+
 def test_cpu_file_size_and_open_file_limits(cfg):
     cfg = replace(cfg, cpu_time_s=1, max_file_mb=1, max_open_files=32)
     many = ("import os\nfds = []\ntry:\n    for _ in range(100): fds.append(os.open('/dev/null', os.O_RDONLY))\n"

@@ -352,10 +352,19 @@ class Sandbox(abc.ABC):
         cap = self.sandbox_cfg.max_output_bytes
         out, err = _Tail(cap), _Tail(cap)
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *host_argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self._host_env(full_env),
-            cwd=self._host_cwd(cwd), start_new_session=True)
+            cwd=self._host_cwd(cwd), start_new_session=True))
+        try:
+            proc = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            # Cancelled while the process starts: Python 3.11 hangs forever if that start itself is
+            # cancelled (its transport waits for pipes that never connected), so the start runs to
+            # its end, and the process then goes the way of any cancelled exec.
+            proc = await spawn
+            await self._stop(proc)
+            raise
         readers = [asyncio.create_task(_drain(proc.stdout, out)), asyncio.create_task(_drain(proc.stderr, err))]
         if stdin is not None:  # fed alongside, so a command that never reads it still meets the wall clock
             readers.append(asyncio.create_task(_feed(proc.stdin, stdin)))
