@@ -181,12 +181,12 @@ def newest_complete_checkpoint(run_dir: str | Path, cfg: ClawrlConfig) -> tuple[
     skipped. A directory that disappears while it is read was pruned by a live server that saved a
     newer one meanwhile, so the listing is read again."""
     store = CheckpointStore(run_dir)
-    notes: list[str] = []
     for _ in range(_LISTING_RETRIES):
+        notes: list[str] = []
         record = store.rollback_record()
         pruned = False
         for step in store.steps():
-            if store._abandoned(step, record):
+            if store._abandoned(step, record):  # the store's own rule, so eval and resume agree
                 continue
             try:
                 state, manifest = store.load(step)
@@ -237,13 +237,13 @@ async def open_eval_engine(cfg: ClawrlConfig, run_dir: Optional[str | Path]) -> 
 
     ``cfg.model.path`` must be the model the run trained (as it is when the same method directory
     and overrides are used); weights of another shape are refused in one line."""
+    cfg = resolve_model(cfg)
     notes: list[str] = []
     weights = None
     if run_dir is not None:
         root = Path(run_dir).expanduser()
         if not root.is_dir():
             raise CliError(f"--run-dir {run_dir}: no such run directory")
-        cfg = resolve_model(cfg)
         try:
             weights, notes = await asyncio.to_thread(newest_complete_checkpoint, root, cfg)
         except CheckpointError as e:
@@ -252,7 +252,6 @@ async def open_eval_engine(cfg: ClawrlConfig, run_dir: Optional[str | Path]) -> 
             notes.append(f"{root} has no complete checkpoint: evaluating the base model {cfg.model.path}")
         else:
             notes.append(f"evaluating {weights.checkpoint} (weight version {weights.weight_version})")
-    cfg = resolve_model(cfg)
     engine = make_engine(cfg)
     await engine.start()
     try:
