@@ -548,3 +548,24 @@ def test_prompt_alone_is_prefilled_in_larger_chunks(loaded):
             return eng.steps
 
     assert run(go()) == 4  # ceil(400 / 128)
+
+
+def test_cancelled_generate_aborts_its_request(loaded):
+    p = prompts(1, vocab(loaded), seed=28)[0]
+
+    async def go():
+        async with running(loaded) as eng:
+            task = asyncio.create_task(eng.generate(p, SamplingParams(max_new_tokens=4000, ignore_eos=True)))
+            while eng.steps < 3:
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(2000):  # the abort reaches the scheduler between steps
+                if (await eng.health())["running"] == 0:
+                    break
+                await asyncio.sleep(0.001)
+            return await eng.health(), eng.steps
+
+    health, steps = run(go())
+    assert health["running"] == 0 and steps < 3000

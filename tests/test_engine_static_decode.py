@@ -50,8 +50,8 @@ def _prompts(n, vocab, seed):
 def test_buckets():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert batch_buckets(3) == [1, 2, 3] and batch_buckets(1) == [1]
-    assert width_bucket(1, 4096) == 256 and width_bucket(257, 4096) == 512
-    assert width_bucket(769, 4096) == 1024 and width_bucket(5000, 8192) == 5120
+    assert width_bucket(1, 4096) == 128 and width_bucket(257, 4096) == 384 and width_bucket(640, 4096) == 640
+    assert width_bucket(769, 4096) == 896 and width_bucket(5000, 8192) == 5120
     assert width_bucket(700, 600) == 600  # never past the slot
 
 

@@ -43,10 +43,11 @@ def batch_buckets(slots: int) -> list[int]:
 
 def width_bucket(needed: int, capacity: int) -> int:
     """Attention width for contexts up to ``needed`` tokens: rounded up to a multiple of a step that
-    is an eighth of the next power of two (at least 256), so a few graphs cover each doubling and
-    at most about an eighth of the KV read is padding."""
+    is an eighth of the next power of two (at least 128), so a few graphs cover each doubling and
+    at most about an eighth of the KV read (attention's bytes, most of a step's at 64 streams) is
+    padding."""
     p = 1 << max(needed - 1, 1).bit_length()
-    step = max(256, p // 8)
+    step = max(128, p // 8)
     return min(capacity, -(-needed // step) * step)
 
 

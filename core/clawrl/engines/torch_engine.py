@@ -28,8 +28,8 @@ import torch
 
 from clawrl.config import EngineConfig
 from clawrl.engines.base import (
-    AbortingStream, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk, check_generate_request,
-    check_score_request,
+    AbortingStream, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams, ScoreResult,
+    TokenChunk, check_generate_request, check_score_request,
 )
 from clawrl.engines.hf_fallback import HFForward
 from clawrl.engines.loading import LoadedModel
@@ -57,7 +57,10 @@ class _Request:
     score_top_k: int = 0
     score_temperature: float = 1.0
     chunks: asyncio.Queue | None = None  # generate: where TokenChunks (or an exception) go
-    future: asyncio.Future | None = None  # score: resolved with a ScoreResult
+    future: asyncio.Future | None = None  # score: resolved with a ScoreResult; generate(): a GenerateResult
+    out_lps: list[float] | None = None  # generate(): what the result gets besides out_ids
+    out_versions: list[int] | None = None
+    out_tops: list | None = None
     seed: int = 0  # with len(out_ids), picks this request's sampling noise (see sampling.gumbel_noise)
     stop_matcher: StopStringMatcher | None = None
     kv: object = None
@@ -148,6 +151,23 @@ class TorchEngine(Engine):
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
                request_id: str | None = None) -> AsyncIterator[TokenChunk]:
         """Validate now (so a too-long prompt raises before any work), then stream chunks."""
+        return _TokenStream(self, self._add_generate(prompt_ids, params, request_id, streamed=True))
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> GenerateResult:
+        """Like the base class's (the stream, merged), but the scheduler keeps the tokens and hands
+        over the whole result once: no per-token chunk, queue and task wake-up on the event loop,
+        which at 64 concurrent requests costs the host about as much as a decode step."""
+        req = self._add_generate(prompt_ids, params, request_id, streamed=False)
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self._cmds.put(("abort", req.rid))  # nobody is waiting for it any more
+            raise
+        finally:
+            self._live.pop(req.rid, None)
+
+    def _add_generate(self, prompt_ids, params: SamplingParams, request_id: str | None, streamed: bool) -> _Request:
         prompt = check_generate_request(prompt_ids, params, self.vocab_size, self.max_context)
         rid = request_id or uuid.uuid4().hex
         if rid in self._live:
@@ -155,11 +175,16 @@ class TorchEngine(Engine):
         self._ensure_thread()
         loop = asyncio.get_running_loop()
         seed = random.getrandbits(32) if params.seed is None else params.seed
-        req = _Request(rid, prompt, len(prompt) - 1, loop, params=params, chunks=asyncio.Queue(), seed=seed,
+        req = _Request(rid, prompt, len(prompt) - 1, loop, params=params, seed=seed,
+                       chunks=asyncio.Queue() if streamed else None,
+                       future=None if streamed else loop.create_future(),
                        stop_matcher=StopStringMatcher(self.tokenizer, params.stop) if params.stop else None)
+        if not streamed:
+            req.out_lps, req.out_versions = [], []
+            req.out_tops = [] if params.top_logprobs else None
         self._live[rid] = req
         self._cmds.put(("add", req))
-        return _TokenStream(self, req)
+        return req
 
     async def score(self, prompt_ids: Sequence[int], response_ids: Sequence[int], top_k: int = 0,
                     temperature: float = 1.0) -> ScoreResult:
@@ -469,21 +494,37 @@ class TorchEngine(Engine):
             finish, matched = "stop", hit
         elif len(req.out_ids) >= p.max_new_tokens:
             finish = "length"
-        chunk = TokenChunk([d.token], [d.logprob], [version], [d.top] if d.top is not None else None,
-                           finish, matched, req.cached if len(req.out_ids) == 1 else 0)
         if finish is not None:
             self._retire(req)
+        if req.chunks is None:  # generate(): kept here, handed over whole at the end
+            req.out_lps.append(d.logprob)
+            req.out_versions.append(version)
+            if req.out_tops is not None:
+                req.out_tops.append(d.top)
+            if finish is not None:
+                self._post(req.loop, _set_result, req.future, self._result(req, finish, matched))
+            return
+        chunk = TokenChunk([d.token], [d.logprob], [version], [d.top] if d.top is not None else None,
+                           finish, matched, req.cached if len(req.out_ids) == 1 else 0)
         self._post(req.loop, _put, req.chunks, chunk)
+
+    @staticmethod
+    def _result(req: _Request, finish: str, matched) -> GenerateResult:
+        return GenerateResult(req.rid, list(req.feed), list(req.out_ids), req.out_lps, req.out_versions, finish,
+                              matched, req.out_tops, req.cached)
 
     def _finish(self, req: _Request, reason: str) -> None:
         """End a generate request without a new token (abort)."""
         self._retire(req)
+        if req.chunks is None:
+            self._post(req.loop, _set_result, req.future, self._result(req, reason, None))
+            return
         self._post(req.loop, _put, req.chunks, TokenChunk([], [], [], None, reason, None,
                                                          req.cached if not req.out_ids else 0))
 
     def _fail(self, req: _Request, err: Exception) -> None:
         self._retire(req)
-        if req.is_score:
+        if req.chunks is None:  # a score, or a generate() call
             self._post(req.loop, _set_exception, req.future, err)
         else:
             self._post(req.loop, _put, req.chunks, err)
