@@ -27,15 +27,12 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from clawrl.config import ClawrlConfig, compose
-from clawrl.embedded.build import resolve_model
-from clawrl.engines import make_engine
 from clawrl.engines.base import SamplingParams
 from clawrl.envs import Env, EnvError
-from clawrl.envs.rollout import run_episode
 from clawrl.envs.scripted import NOP, ORACLE, EpisodeReport, NoOracle, play, success_of
 from clawrl.envs.task_formats import TaskRecord, discover
 from clawrl.errors import CliError
-from clawrl.orchestration.evaluation import episode_env, evaluate, open_eval_engine
+from clawrl.orchestration.evaluation import episode_env, evaluate, model_episode, open_eval_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 METHOD_CONFIG = "config.yaml"
@@ -154,19 +151,16 @@ async def _check(task_set: TaskSet) -> int:
 
 async def _run(task_set: TaskSet, record: TaskRecord, policy: str) -> EpisodeReport:
     cfg = task_set.cfg
-    env = task_set.env_for(record)
     if policy in (ORACLE, NOP):
         try:
-            return await play(env, record.task, policy, cfg.env.max_turns)
+            return await play(task_set.env_for(record), record.task, policy, cfg.env.max_turns)
         except NoOracle as e:
             raise CliError(str(e)) from None
-    cfg = resolve_model(cfg)
-    engine = make_engine(cfg)
-    await engine.start()
+    engine, _ = await open_eval_engine(cfg, None)
     try:
         params = SamplingParams(max_new_tokens=cfg.env.max_tokens_per_turn, temperature=cfg.env.temperature,
                                 seed=cfg.seed)
-        episode = await run_episode(engine, engine.tokenizer, env, record.task, params, cfg.env.max_turns)
+        episode = await model_episode(cfg, engine, record, params)
     finally:
         await engine.shutdown()
     reason = episode.info.get("reason", "done" if episode.done else "max_turns" if episode.truncated else "done")

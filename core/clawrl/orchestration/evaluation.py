@@ -31,7 +31,7 @@ from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.engines.base import Engine, EngineError, SamplingParams
 from clawrl.envs import CHAT, ENVS, Env, EnvError, env_class
-from clawrl.envs.rollout import run_episode
+from clawrl.envs.rollout import Episode, run_episode
 from clawrl.envs.scripted import success_of
 from clawrl.envs.task_formats import TaskRecord
 from clawrl.errors import CliError
@@ -52,6 +52,13 @@ def episode_env(cfg: ClawrlConfig, record: TaskRecord) -> Env:
         raise EnvError(f"task {record.task.task_id} is a row of a dataset: say which environment plays it "
                        f"with env.name=NAME (built in: {', '.join(sorted(ENVS)) or 'none'}) or dir/file.py:Class")
     return env_class(name).from_config(cfg)
+
+
+async def model_episode(cfg: ClawrlConfig, engine: Engine, record: TaskRecord, params: SamplingParams) -> Episode:
+    """One episode of ``record`` played by the model ``engine`` serves, under the run's limits
+    (``env.max_turns``), in a fresh environment."""
+    return await run_episode(engine, engine.tokenizer, episode_env(cfg, record), record.task, params,
+                             cfg.env.max_turns)
 
 
 @dataclass
@@ -133,8 +140,7 @@ async def evaluate(cfg: ClawrlConfig, engine: Engine, records: list[TaskRecord],
                                 seed=episode_seed(cfg.seed, index, n, k))
         async with gate:
             try:
-                episode = await run_episode(engine, engine.tokenizer, episode_env(cfg, record), record.task,
-                                            params, cfg.env.max_turns)
+                episode = await model_episode(cfg, engine, record, params)
             except (EnvError, EngineError) as e:  # this episode could not be played; the others go on
                 score.failed, score.error = True, f"{type(e).__name__}: {e}"
             else:
