@@ -186,7 +186,9 @@ def test_trainer_self_pause_after_bad_steps_shows_in_status_and_serving_continue
     with ServerThread(app) as srv:
         interaction(srv.url, "Hi", "Thanks!")
         interaction(srv.url, "Tell me a story about a cat.", "No, that's wrong.")
-        s = wait_for(srv.url, lambda s: s["training"]["paused"])
+        # the trainer pauses inside the step; the learner marks the batch skipped right after
+        s = wait_for(srv.url, lambda s: s["training"]["paused"]
+                     and "train_step_nonfinite_loss" in s["training"]["samples"]["skipped_by_reason"])
         t = s["training"]
         assert "non-finite" in t["paused_reason"] and "train.max_bad_steps=1" in t["paused_reason"]
         assert t["train_step"] == 0 and s["weight_version"] == 0  # the bad step changed nothing served
