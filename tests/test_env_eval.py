@@ -263,3 +263,15 @@ def test_an_environment_failure_costs_its_episode_not_the_evaluation():
     assert failed.failed and not failed.success and "answer" in failed.error and "EnvError" in failed.error
     assert not result.scores[1].failed
     assert result.mean_reward == result.scores[1].reward  # the failure is left out of the rates
+
+
+def test_when_no_episode_can_be_played_it_says_why_and_exits_1(tmp_path, capsys):
+    rows = tmp_path / "rows"
+    (rows / "data").mkdir(parents=True)
+    (rows / "dataset.toml").write_text('name = "unanswerable"\n')
+    unanswered = [{"task_id": "q1", "question": "2+3"}, {"task_id": "q2", "question": "4+4"}]  # no answer field
+    (rows / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unanswered))
+    assert main(["env", "eval", str(rows), "env.name=toolcall", *SMALL]) == 1
+    out, err = capsys.readouterr()
+    assert last_json(out)["failed"] == last_json(out)["episodes"] == 2
+    assert "clawrl: 2 of 2 episodes could not be played (left out of the rates): " in err and "answer" in err
