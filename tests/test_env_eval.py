@@ -152,6 +152,23 @@ def test_a_corrupt_or_incomplete_newest_checkpoint_falls_back_to_the_newest_comp
     assert "does not match its checksum" in err
 
 
+def test_after_a_rollback_the_abandoned_line_is_never_evaluated(trainer, tmp_path):
+    run = tmp_path / "run"
+    save(trainer, run, 1, 1)
+    save(trainer, run, 2, 2)
+    store = CheckpointStore(run, compose(["train.keep_last=10"]).train)
+    store.request_rollback(1)
+    cfg = resolve_model(compose([]))
+    assert newest_complete_checkpoint(run, cfg)[0].weight_version == 2  # not applied yet: the server serves 2
+    applied = store.resume(trainer)  # the next start applies it: step_1's weights saved again as step_3
+    assert (applied.checkpoint.name, applied.weight_version) == ("step_3", 3)
+    assert newest_complete_checkpoint(run, cfg)[0].weight_version == 3
+    (applied.checkpoint / "manifest.json").unlink()
+    weights, notes = newest_complete_checkpoint(run, cfg)
+    assert (weights.checkpoint.name, weights.weight_version) == ("step_1", 1)  # step_2 was rolled back
+    assert len(notes) == 1 and notes[0].startswith("checkpoint step_3 is incomplete or corrupt")
+
+
 def test_a_checkpoint_pruned_while_it_is_read_gives_way_to_the_newer_one(trainer, tmp_path, monkeypatch):
     run = tmp_path / "run"
     save(trainer, run, 1, 1)
