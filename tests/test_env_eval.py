@@ -27,6 +27,7 @@ from clawrl.orchestration.evaluation import evaluate, newest_complete_checkpoint
 from clawrl.run_lock import RunDirBusy, RunDirLock
 from clawrl.samples import Sample
 from clawrl.trainers.torch_trainer import TorchTrainer
+from engine_testing import make_model_dir
 from tests.required_tools import skip_unless_available
 
 SMALL = ["env.max_tokens_per_turn=8", "env.max_turns=2", "engine.threads=1"]
@@ -193,6 +194,16 @@ def test_a_run_dir_without_checkpoints_evaluates_the_base_model_and_says_so(tmp_
     assert last_json(out)["weight_version"] == 0
     assert f"{run} has no complete checkpoint: evaluating the base model" in err
     assert list(run.iterdir()) == []
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, capsys):
+    other = TorchTrainer(compose(["model.device=cpu"]), str(make_model_dir(tmp_path / "other", "qwen3", seed=1)))
+    run = tmp_path / "run"
+    save(other, run, 1, 1)
+    capsys.readouterr()
+    assert main([*EVAL, "--run-dir", str(run), *SMALL]) == 2  # evaluated on the embedded model
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "step_1 does not fit the model" in err and "has shape" in err, err
 
 
 class _MegatronShards:
