@@ -24,7 +24,7 @@ from clawrl.envs.rollout import run_episode
 from clawrl.envs.scripted import NOP, ORACLE, play
 from clawrl.envs.task_formats.rows import read_split
 from clawrl.envs.tool_calls import format_tool_call, parse_reply
-from clawrl.envs.toolcall import INSTRUCTIONS, PYTHON_TOOL, SYSTEM_PROMPT, ToolCallEnv, task_fields
+from clawrl.envs.toolcall import INSTRUCTIONS, PYTHON_TOOL, ToolCallEnv, task_fields
 from tests.required_tools import skip_unless_available
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,13 +135,14 @@ def test_gsm8k_and_rllm_rows_give_their_answer():
         task_fields(Task("g", {"answer": "1"}))
 
 
-def test_the_system_prompt_carries_the_tool_as_the_template_renders_tools():
-    # Environments hand the rollout messages, not tools: the system message must read the same.
-    with_tools = render_chat([{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "q"}],
-                             tools=[PYTHON_TOOL], add_generation_prompt=True)
-    plain = render_chat([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "q"}],
-                        add_generation_prompt=True)
-    assert plain == with_tools
+def test_the_tool_reaches_the_model_through_the_chat_templates_own_tool_section(tmp_path):
+    # The first observation names the tool; the rollout renders it with tools=, so the model reads
+    # the tool section in its own template's words and the system message holds only the instructions.
+    first = asyncio.run(_env(tmp_path).reset(TASK))
+    assert first.tools == [PYTHON_TOOL] and first.messages[0] == {"role": "system", "content": INSTRUCTIONS}
+    rendered = render_chat(first.messages, tools=first.tools, add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>system\n" + INSTRUCTIONS + "\n\n# Tools\n")
+    assert json.dumps(PYTHON_TOOL["function"], ensure_ascii=False) in rendered
 
 
 def test_the_environment_loads_by_path_and_takes_the_sandbox_settings_from_the_config(tmp_path):

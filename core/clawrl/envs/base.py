@@ -2,7 +2,8 @@
 
 An environment is a conversation partner with a verdict. ``reset(task)`` opens an episode and
 returns the first observation; each ``step(action)`` takes the model's reply (its text, already
-decoded from the exact sampled ids, which the rollout keeps) and returns the next observation,
+decoded from the exact sampled ids, which the rollout keeps; special tokens such as ``<tool_call>``
+are kept, the end-of-turn token is not) and returns the next observation,
 a reward or None, and whether the episode is ``done`` (the task ended) or ``truncated`` (a limit
 cut it short). Observations are chat messages, so the model's chat template renders them like
 any other turn; a message may carry images for GUI environments.
@@ -21,10 +22,15 @@ from typing import Any, Optional
 @dataclass
 class Observation:
     """What the model sees next: chat messages (``{"role": ..., "content": ...}``), and optional
-    images (PNG bytes) for environments that show a screen."""
+    images (PNG bytes) for environments that show a screen.
+
+    ``tools`` (OpenAI function schemas, on the first observation) are the tools the agent may call:
+    the rollout hands them to the chat template, so every model words its tool section the way it
+    was trained to read one rather than in the environment's paraphrase."""
 
     messages: list[dict]
     images: list[bytes] = field(default_factory=list)
+    tools: Optional[list[dict]] = None
 
 
 @dataclass

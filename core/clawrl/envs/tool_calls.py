@@ -11,7 +11,8 @@ Three spellings are accepted, because all three reach an environment in practice
 
 - the tagged call above;
 - the same JSON object without its tags: ``<tool_call>`` is a special token, and text decoded with
-  ``skip_special_tokens=True`` (as ``clawrl.envs.rollout`` decodes a turn) arrives without it;
+  ``skip_special_tokens=True`` arrives without it (``clawrl.envs.rollout`` keeps it; other callers
+  and serving stacks may not);
 - a fenced ```` ```python ```` block, which models trained on notebooks and chat write unasked.
 
 A final answer is the last ``\\boxed{...}`` outside any call (braces may nest: ``\\boxed{\\frac{1}{2}}``).

@@ -20,7 +20,6 @@ that prints the answer, which only the oracle uses.
 """
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 from clawrl.envs.answers import answers_match, expected_answer
@@ -36,6 +35,8 @@ MAX_CALLS_PER_REPLY = 4
 QUESTION_FIELDS = ("question", "problem", "prompt")
 ANSWER_FIELDS = ("answer", "ground_truth")
 
+# The tool reaches the model through the chat template (``Observation.tools``), which words the
+# tool section as the model was trained to read it.
 PYTHON_TOOL = {"type": "function", "function": {
     "name": TOOL_NAME,
     "description": "Run Python code in a persistent interpreter (variables are kept between calls, as in a "
@@ -44,13 +45,6 @@ PYTHON_TOOL = {"type": "function", "function": {
                    "required": ["code"]}}}
 INSTRUCTIONS = ("Solve the problem. Do not compute in your head: call the python tool to calculate, then give the "
                 "final answer as \\boxed{ANSWER}.")
-# The system message is the instructions followed by the tool section exactly as the embedded
-# chat template renders ``tools=[PYTHON_TOOL]`` (a test checks it), because environments hand the
-# rollout messages only, not tools.
-SYSTEM_PROMPT = (INSTRUCTIONS + "\n\n# Tools\n\nYou may call one or more functions. Their signatures, one per line:\n"
-                 "<tools>\n" + json.dumps(PYTHON_TOOL["function"], ensure_ascii=False) + "\n</tools>\n\n"
-                 "To call a function, reply with a JSON object inside tags:\n<tool_call>\n"
-                 "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 
 
 def task_fields(task: Task) -> tuple[str, str]:
@@ -83,7 +77,8 @@ class ToolCallEnv(Env):
     async def reset(self, task: Task) -> Observation:
         question, self.expected = task_fields(task)
         self.task = task
-        return Observation([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}])
+        return Observation([{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": question}],
+                           tools=[PYTHON_TOOL])
 
     async def step(self, action: str) -> StepOutcome:
         if self.task is None:
