@@ -2,6 +2,7 @@
 source, each one file loaded by path, each training a step."""
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from clawrl.config import compose
@@ -9,7 +10,6 @@ from clawrl.engines import make_engine
 from clawrl.envs.source import make_env_source
 from clawrl.methods.registry import method_class
 from clawrl.trainers.backends import make_trainer
-from test_env_seam import roll_one_group
 from test_trainer import make_samples, model_dir, on_policy  # noqa: F401 (fixture)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
@@ -39,14 +39,37 @@ def test_the_environment_example_rolls_out_a_group_and_trains_a_step(tiny_model_
                    "logging.wandb.mode=disabled", f"env.name={EXAMPLES / 'echo_env.py'}:EchoWord",
                    "env.group_size=2", "env.max_turns=2", "env.max_tokens_per_turn=8"])
     engine = make_engine(cfg)
-    episodes, samples = roll_one_group(engine, make_env_source(cfg, engine))
-    assert [e.task.task_id for e in episodes] == ["echo-apple", "echo-apple"]
-    assert len({s.group_id for s in samples}) == 1 and all(0.0 <= s.reward <= 1.0 for s in samples)
+    source = make_env_source(cfg, engine)
+    # a group whose rollouts all score the same teaches nothing and yields no samples: roll on to one that differs
+    groups = roll_groups_until_kept(engine, source, len(source.tasks))
+    for episodes, samples in groups:
+        assert len({e.task.task_id for e in episodes}) == 1 and len(episodes) == 2
+        assert bool(samples) != (episodes[0].reward == episodes[1].reward)
+    episodes, samples = groups[-1]
+    assert source.counters["groups_filtered_equal"] == source.counters["groups"] - 1
+    assert len(samples) == 2 and len({s.group_id for s in samples}) == 1
+    assert all(0.0 <= s.reward <= 1.0 for s in samples) and samples[0].reward != samples[1].reward
     trainer = make_trainer(cfg, str(tiny_model_dir))
     try:
         assert trainer.train_step(samples, weight_version=0).ok
     finally:
         trainer.close()
+
+
+def roll_groups_until_kept(engine, source, most: int) -> list:
+    """Start the engine, roll out groups of ``source`` until one yields samples (at most ``most``),
+    stop the engine; every group rolled out, in order."""
+    async def roll():
+        await engine.start()
+        groups = []
+        try:
+            while len(groups) < most and not (groups and groups[-1][1]):
+                groups.append(await source.next_group())
+            return groups
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(roll())
 
 
 def test_the_code_shown_in_architecture_md_is_the_code_that_runs():

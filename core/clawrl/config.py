@@ -285,6 +285,14 @@ class EnvConfig:
     max_turns: int = option(8, "Model turns an episode may take before it is truncated.", ge=1)
     max_tokens_per_turn: int = option(256, "Most tokens the model may sample in one turn of an episode.", ge=1)
     temperature: float = option(1.0, "Sampling temperature of rollouts (> 0, so a group's rollouts differ).", gt=0)
+    sample_mode: str = option("trajectory", "How an episode becomes samples: trajectory (one per episode, the loss "
+                              "mask on the model's tokens) | per_turn (one per model turn, with exactly the context "
+                              "it saw; each takes its episode's advantage).", choices=("trajectory", "per_turn"))
+    max_total_tokens: Optional[int] = option(None, "Most tokens in one episode, its first prompt included; then it "
+                                             "is truncated. null: the engine's context window.", ge=2)
+    episode_timeout_s: Optional[float] = option(1800.0, "Wall-clock limit of an episode's reset and turns; then it "
+                                                "is truncated (an environment call still running fails it). The "
+                                                "closing verdict gets as long again. null: no limit.", gt=0)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,23 @@
 Live chat yields one reply per prompt, so its samples are groups of one; an environment can replay
 a task, so the same task is rolled out ``group_size`` times and the rollouts are compared with each
 other (``train.group_advantage``). A group is complete when every rollout of it has finished; only
-complete groups are handed on, and each episode becomes one trajectory sample whose loss mask
-covers the model's sampled tokens and nothing else (``clawrl.envs.rollout``).
+complete groups are handed on.
+
+An episode becomes samples in one of two shapes (``env.sample_mode``):
+
+- ``trajectory``: one sample per episode, the first prompt and then everything after it, the loss
+  mask 1 on the model's sampled tokens only (``clawrl.envs.rollout``);
+- ``per_turn``: one sample per model turn, its prompt exactly the context that turn was sampled
+  from and its response exactly the ids sampled there (OpenClaw-RL terminal-rl's
+  ``dynamic_history``). Every turn takes its episode's advantage and stays in its episode's group.
+
+An episode whose environment failed is left out of its group's statistics with a logged reason;
+the advantages are computed over the rest. A group with fewer than two healthy episodes has
+nothing to compare and yields no samples; nor does a group whose rewards are all equal (every
+advantage would be 0: no rollout was better than another). Both are counted (``counters``, logged
+with every group), as are truncated episodes by reason and malformed replies. With
+``env.group_size=1`` there is no group to compare within: each healthy episode trains on its own
+reward, as a live-chat turn does (``clawrl.losses.group_advantages``).
 
 Rollouts of one group run concurrently, each with its own sampling seed, so they differ even
 where the environment is deterministic.
@@ -16,7 +31,8 @@ import dataclasses
 import hashlib
 import itertools
 import logging
-from typing import Callable
+from collections import Counter
+from typing import Callable, Optional
 
 import torch
 
@@ -24,12 +40,15 @@ from clawrl.config import ClawrlConfig
 from clawrl.engines.base import Engine, SamplingParams
 from clawrl.envs import env_class
 from clawrl.envs.base import Env, EnvError, Task
-from clawrl.envs.rollout import Episode, run_episode
+from clawrl.envs.rollout import Episode, failed_episode, run_episode
 from clawrl.envs.tasks import load_tasks
 from clawrl.losses import group_advantages
 from clawrl.samples import Sample
 
 log = logging.getLogger(__name__)
+
+TRAJECTORY, PER_TURN = "trajectory", "per_turn"
+SAMPLE_MODES = (TRAJECTORY, PER_TURN)
 
 
 def group_id(task: Task, round_: int) -> str:
@@ -39,40 +58,105 @@ def group_id(task: Task, round_: int) -> str:
 
 class EnvSource:
     """Rolls out complete GRPO groups over ``tasks`` (round-robin), as samples; ``new_env`` makes
-    the environment of one episode."""
+    the environment of one episode. ``counters`` says how many episodes, groups and samples came
+    out and why some did not."""
 
     def __init__(self, new_env: Callable[[], Env], tasks: list[Task], engine: Engine, tokenizer, group_size: int,
-                 params: SamplingParams, max_turns: int, group_advantage: str = "grpo"):
+                 params: SamplingParams, max_turns: int, group_advantage: str = "grpo",
+                 sample_mode: str = TRAJECTORY, max_total_tokens: Optional[int] = None,
+                 episode_timeout_s: Optional[float] = None):
         if group_size < 1:
             raise EnvError(f"env.group_size must be >= 1, got {group_size}")
         if not tasks:
             raise EnvError("no tasks to roll out")
+        if sample_mode not in SAMPLE_MODES:
+            raise EnvError(f"env.sample_mode must be one of {', '.join(SAMPLE_MODES)}, got {sample_mode!r}")
         self.new_env, self.tasks, self.engine, self.tokenizer = new_env, tasks, engine, tokenizer
         self.group_size, self.params, self.max_turns = group_size, params, max_turns
-        self.group_advantage = group_advantage
+        self.group_advantage, self.sample_mode = group_advantage, sample_mode
+        self.max_total_tokens, self.episode_timeout_s = max_total_tokens, episode_timeout_s
         self._groups = 0  # groups rolled out so far: task = groups % len(tasks), round = groups // len(tasks)
         self._ids = itertools.count(1)
+        self.counters: Counter[str] = Counter()
 
     async def next_group(self) -> tuple[list[Episode], list[Sample]]:
-        """Roll out the next task ``group_size`` times; the episodes and their samples, advantages set."""
+        """Roll out the next task ``group_size`` times; the episodes (failed ones included) and the
+        samples of the group, advantages set (none when the group is filtered)."""
         round_, index = divmod(self._groups, len(self.tasks))
         self._groups += 1
         task = self.tasks[index]
         seed = (self.params.seed or 0) + self.group_size * self._groups
-        episodes = await asyncio.gather(*(
-            run_episode(self.engine, self.tokenizer, self.new_env(), task,
-                        dataclasses.replace(self.params, seed=seed + k), self.max_turns)
-            for k in range(self.group_size)))
+        results = await asyncio.gather(*(self._episode(task, seed + k) for k in range(self.group_size)),
+                                       return_exceptions=True)
+        raised = next((r for r in results if isinstance(r, BaseException)), None)
+        if raised is not None:  # the engine failed, not an environment: the run cannot go on
+            raise raised
+        episodes: list[Episode] = list(results)
         gid = group_id(task, round_)
-        rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-        advantages = group_advantages(rewards, torch.zeros(len(episodes), dtype=torch.long), self.group_advantage)
-        samples = [Sample(sample_id=next(self._ids), turn_id=0, group_id=gid, prompt_ids=e.prompt_ids,
-                          response_ids=e.response_ids, rollout_logprobs=e.logprobs, weight_versions=e.weight_versions,
-                          reward=e.reward, advantage=float(a), loss_mask=e.loss_mask)
-                   for e, a in zip(episodes, advantages.tolist())]
-        log.info("group %s: task %s, %d rollouts, rewards %s, %d turns", gid, task.task_id, len(episodes),
-                 [round(e.reward, 3) for e in episodes], sum(e.turns for e in episodes))
-        return list(episodes), samples
+        samples = self._group_samples(gid, episodes)
+        self._count(episodes, samples)
+        log.info("group %s: task %s, rewards %s, %d turns, %d samples (%s); so far %s", gid, task.task_id,
+                 [None if e.failed else round(e.reward, 3) for e in episodes], sum(e.turns for e in episodes),
+                 len(samples), self.sample_mode, dict(sorted(self.counters.items())))
+        return episodes, samples
+
+    async def _episode(self, task: Task, seed: int) -> Episode:
+        try:
+            env = self.new_env()
+        except Exception as e:  # an environment that cannot even be made fails its episode, not the run
+            return failed_episode(task, f"making the environment raised {type(e).__name__}: {e}")
+        return await run_episode(self.engine, self.tokenizer, env, task, dataclasses.replace(self.params, seed=seed),
+                                 self.max_turns, max_total_tokens=self.max_total_tokens,
+                                 timeout_s=self.episode_timeout_s)
+
+    def _group_samples(self, gid: str, episodes: list[Episode]) -> list[Sample]:
+        healthy = [e for e in episodes if not e.failed]
+        for e in episodes:
+            if e.failed:
+                log.warning("group %s: an episode of task %s failed and is left out: %s", gid, e.task.task_id,
+                            e.error)
+        if self.group_size > 1 and len(healthy) < 2:
+            self.counters["groups_too_few_healthy"] += 1
+            log.warning("group %s yields no samples: %d of %d episodes are healthy, and a group needs 2 to compare",
+                        gid, len(healthy), len(episodes))
+            return []
+        if not healthy:
+            return []
+        rewards = torch.tensor([e.reward for e in healthy], dtype=torch.float64)
+        if self.group_size > 1 and bool((rewards == rewards[0]).all()):
+            self.counters["groups_filtered_equal"] += 1
+            log.info("group %s yields no samples: every reward is %g, so no rollout was better than another",
+                     gid, float(rewards[0]))
+            return []
+        advantages = group_advantages(rewards, torch.zeros(len(healthy), dtype=torch.long), self.group_advantage)
+        self.counters["groups_kept"] += 1
+        return [s for e, a in zip(healthy, advantages.tolist()) for s in self._samples(gid, e, float(a))]
+
+    def _samples(self, gid: str, e: Episode, advantage: float) -> list[Sample]:
+        extra = {"temperature": self.params.logprob_temperature, "task_id": e.task.task_id}
+        if self.sample_mode == TRAJECTORY:
+            return [Sample(sample_id=next(self._ids), turn_id=0, group_id=gid, prompt_ids=e.prompt_ids,
+                           response_ids=e.response_ids, rollout_logprobs=e.logprobs, weight_versions=e.weight_versions,
+                           reward=e.reward, advantage=advantage, loss_mask=e.loss_mask, extra=dict(extra))]
+        return [Sample(sample_id=next(self._ids), turn_id=turn, group_id=gid, prompt_ids=context,
+                       response_ids=e.response_ids[start:end], rollout_logprobs=e.logprobs[start:end],
+                       weight_versions=e.weight_versions[start:end], reward=e.reward, advantage=advantage,
+                       loss_mask=[1] * (end - start), extra=dict(extra))
+                for turn, (context, start, end) in enumerate(e.turn_contexts())]
+
+    def _count(self, episodes: list[Episode], samples: list[Sample]) -> None:
+        c = self.counters
+        c["groups"] += 1
+        c["samples"] += len(samples)
+        for e in episodes:
+            c["episodes"] += 1
+            c["turns"] += e.turns
+            c["malformed_replies"] += e.malformed
+            if e.failed:
+                c["failed"] += 1
+            elif e.truncated:
+                c["truncated"] += 1
+                c[f"truncated:{e.reason}"] += 1
 
 
 def make_env_source(cfg: ClawrlConfig, engine: Engine) -> EnvSource:
@@ -80,5 +164,7 @@ def make_env_source(cfg: ClawrlConfig, engine: Engine) -> EnvSource:
     cls = env_class(cfg.env.name)
     params = SamplingParams(max_new_tokens=cfg.env.max_tokens_per_turn, temperature=cfg.env.temperature,
                             seed=cfg.seed)
-    return EnvSource(lambda: cls.from_config(cfg), load_tasks(cfg.env.tasks, cfg.env.split, cls), engine, engine.tokenizer,
-                     cfg.env.group_size, params, cfg.env.max_turns, cfg.train.group_advantage)
+    return EnvSource(lambda: cls.from_config(cfg), load_tasks(cfg.env.tasks, cfg.env.split, cls), engine,
+                     engine.tokenizer, cfg.env.group_size, params, cfg.env.max_turns, cfg.train.group_advantage,
+                     sample_mode=cfg.env.sample_mode, max_total_tokens=cfg.env.max_total_tokens,
+                     episode_timeout_s=cfg.env.episode_timeout_s)
