@@ -268,6 +268,13 @@ def test_a_slow_model_turn_past_the_time_limit_truncates_and_the_verdict_still_c
     assert episode.loss_mask[-1] == 1 and len(engine.prompts[0]) == 2  # the cut turn left nothing behind
 
 
+def test_an_episode_the_time_limit_ends_before_any_reply_counts_as_failed(tok):
+    env = ShellLike()
+    episode = run(ScriptedEngine(tok, lambda r, t: "DONE", delay=lambda turn: 5.0), env, timeout_s=0.3)
+    assert episode.failed and episode.error == "episode_timeout ended the episode before the model's first reply"
+    assert episode.turns == 0 and not env.finished and env.closed  # nothing was done to judge
+
+
 @pytest.mark.parametrize("where", ["reset", "step", "finish"])
 def test_an_environment_call_past_the_time_limit_fails_the_episode(tok, where):
     engine = ScriptedEngine(tok, lambda r, t: "```bash\nls\n```")
@@ -295,6 +302,31 @@ def test_an_environment_that_raises_fails_its_episode_with_the_reason(tok, where
     episode = run(engine, env, max_turns=2)
     assert episode.failed and env.closed
     assert episode.error == f"env.{where} raised RuntimeError: {where} exploded"
+
+
+class Answers(Env):
+    """Answers every reply with ``outcome``, whatever it is."""
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    async def reset(self, task):
+        return Observation([{"role": "user", "content": "Say anything."}])
+
+    async def step(self, action):
+        return self.outcome
+
+
+@pytest.mark.parametrize("outcome, why", [
+    (None, "env.step returned NoneType, not a StepOutcome"),
+    (StepOutcome(None, reward=float("nan"), done=True), "env.step gave the reward nan, not a finite number"),
+    (StepOutcome(None, reward="high", done=True), "env.step gave the reward 'high', not a number"),
+    (StepOutcome({"role": "user", "content": "hi"}), "env.step gave a dict observation, not an Observation"),
+])
+def test_an_environment_answering_nonsense_fails_its_episode(tok, outcome, why):
+    # a NaN reward would otherwise poison its group's statistics; None would crash the loop
+    episode = run(ScriptedEngine(tok, lambda r, t: "hello"), Answers(outcome))
+    assert episode.failed and episode.error == why and episode.turns == 1
 
 
 def test_a_failing_close_is_logged_and_the_episode_stands(tok, caplog):

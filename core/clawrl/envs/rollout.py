@@ -18,9 +18,13 @@ An episode is bounded four ways: model turns (``max_turns``), tokens per turn (t
 params), tokens in all (``max_total_tokens``, the first prompt included) and wall time
 (``timeout_s``). A limit that ends it records it as ``truncated`` with the limit as its
 ``reason``, and the environment still gives its verdict (``Env.finish``). An environment that
-raises or runs past the time limit inside ``reset``/``step``/``finish`` fails the episode instead
-(``failed``, with ``error`` saying how): the caller leaves it out of training and goes on. An
-episode ends with the model's reply, never with an observation nobody answered.
+raises, answers with something that is not a StepOutcome (or a reward that is not a finite
+number), or runs past the time limit inside ``reset``/``step``/``finish`` fails the episode instead
+(``failed``, with ``error`` saying how): the caller leaves it out of training and goes on. The time
+limit cancels what it waits on, so it cannot stop an environment that blocks the event loop
+(synchronous code in an async method). An episode ends with the model's reply, never with an
+observation nobody answered; one that ends before the model's first reply has nothing to train on
+and counts as failed.
 
 The episode becomes samples in one of two shapes (``clawrl.envs.source``): one trajectory (the
 first prompt, then every sampled and in-between id as the response, the loss mask 1 exactly on
@@ -32,12 +36,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional
 
 from clawrl.engines.base import ContextLengthExceeded, Engine, GenerateResult, SamplingParams
-from clawrl.envs.base import Env, EnvError, Observation, Task
+from clawrl.envs.base import Env, EnvError, Observation, StepOutcome, Task
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +122,23 @@ class _Clock:
             raise _OutOfTime(what) from None
 
 
+def _outcome(outcome, what: str) -> StepOutcome:
+    """``outcome`` when it is a well-formed StepOutcome (its reward None or a finite number, which
+    group statistics can use); otherwise the environment failed."""
+    if not isinstance(outcome, StepOutcome):
+        raise _EnvFailed(f"env.{what} returned {type(outcome).__name__}, not a StepOutcome")
+    if outcome.reward is not None:
+        try:
+            reward = float(outcome.reward)
+        except (TypeError, ValueError):
+            raise _EnvFailed(f"env.{what} gave the reward {outcome.reward!r}, not a number") from None
+        if not math.isfinite(reward):
+            raise _EnvFailed(f"env.{what} gave the reward {reward}, not a finite number")
+    if outcome.observation is not None and not isinstance(outcome.observation, Observation):
+        raise _EnvFailed(f"env.{what} gave a {type(outcome.observation).__name__} observation, not an Observation")
+    return outcome
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
@@ -176,7 +198,7 @@ class _Rollout:
         except _EnvFailed as e:
             ep.failed, ep.error, ep.reason = True, str(e), FAILED
         if not ep.failed and ep.turns == 0:  # a limit ended it before the model said anything
-            ep.failed, ep.error = True, f"no reply fits: the episode ended by {ep.reason} before its first turn"
+            ep.failed, ep.error = True, f"{ep.reason} ended the episode before the model's first reply"
             ep.reason = FAILED
         ep.reward = 0.0 if self.reward is None else float(self.reward)
 
@@ -209,7 +231,7 @@ class _Rollout:
             ep.turns = len(ep.sampled)
             reply = self._reply_text(ids)
             ep.transcript.append({"role": "assistant", "content": reply})
-            outcome = await self._env_call(lambda: self.env.step(reply), "step", self.clock)
+            outcome = _outcome(await self._env_call(lambda: self.env.step(reply), "step", self.clock), "step")
             info = dict(outcome.info or {})
             ep.info = info
             ep.malformed += bool(info.get("malformed"))
@@ -247,6 +269,7 @@ class _Rollout:
             return
         final = await self._env_call(self.env.finish, "finish", _Clock(self.timeout_s))
         if final is not None:
+            final = _outcome(final, "finish")
             if final.reward is not None:
                 self.reward = final.reward
             ep.info = dict(final.info or {})
