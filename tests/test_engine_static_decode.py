@@ -181,3 +181,20 @@ def test_suite_ran_with_static_decoder():
     """The star-import above brought test_engine's tests into this module: they must be here."""
     names = [n for n in globals() if n.startswith("test_")]
     assert sum(n in dir(test_engine) for n in names) >= 20
+
+
+def test_fused_weights_follow_in_place_updates_and_refuse_when_replaced(tmp_path):
+    lm = load_model(str(make_model_dir(tmp_path / "f", "qwen3", seed=11)), device="cpu", dtype="float32")
+    rf = RaggedForward(lm.model)
+    q = lm.model.model.layers[0].self_attn.q_proj.weight
+    assert q.data_ptr() == rf.fused[0].qkv_w.data_ptr()  # the parameter is a view of the fused tensor
+    with torch.no_grad():
+        q.mul_(2.0)  # in place, as update_weights copies
+    assert torch.equal(rf.fused[0].qkv_w[: q.shape[0]], q) and not rf.check_weights()
+    q.data = q.data.clone()  # storage replaced: the fused tensor no longer sees it
+    assert rf.check_weights() and q.data_ptr() == rf.fused[0].qkv_w.data_ptr()
+    seq = list(range(3, 20))
+    with torch.no_grad():
+        got = rf.forward([Segment(rf.new_kv(8, 64), seq, [len(seq) - 1])])
+        want = lm.model(torch.tensor([seq])).logits[0, -1].float()
+    torch.testing.assert_close(got[0], want, atol=1e-4, rtol=0)

@@ -11,6 +11,13 @@ contributes its last sampled token; prefilling requests share a budget of
 everybody else keeps decoding. New requests join between steps, finished ones leave. Weight
 updates, aborts, pause and cache flushes are commands applied between steps, which is what makes
 a weight swap atomic per token.
+
+On a GPU, a request whose prompt is in and that fits a slot decodes in a ``StaticDecoder``
+(static_decode.py): a preallocated KV arena and a CUDA graph per batch/width bucket, with sampling
+on the device. Its step N is launched before step N-1's tokens are read back, so the host emits
+tokens while the GPU computes; a request that finishes meanwhile just has its extra token
+dropped. Longer requests, prefill chunks and scores run on the ragged path in the same step.
+``generate()`` hands a request's tokens over once at the end instead of chunk by chunk.
 """
 from __future__ import annotations
 
