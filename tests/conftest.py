@@ -1,6 +1,10 @@
 """Fixtures shared across the test suite."""
 import pytest
 
+# Task directories under fixtures/ carry their own tests (a Terminal-Bench task's tests/test_outputs.py):
+# they are data for the task loaders and run only inside a task's sandbox, never as this suite's tests.
+collect_ignore_glob = ["fixtures/*"]
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
