@@ -303,3 +303,10 @@ def test_when_no_episode_can_be_played_it_says_why_and_exits_1(tmp_path, capsys)
     out, err = capsys.readouterr()
     assert last_json(out)["failed"] == last_json(out)["episodes"] == 2
     assert "clawrl: 2 of 2 episodes could not be played (left out of the rates): " in err and "answer" in err
+
+
+def test_episodes_keep_the_limits_training_rollouts_have():
+    task_set = resolve("toolcall-rl", [*SMALL, "env.max_total_tokens=2"])  # not even the first prompt fits
+    result, engine = asyncio.run(_evaluate_in_process(task_set.cfg, split_records(task_set, "test", 2)))
+    assert engine.params == [] and result.failed == 2  # no reply: nothing of the model to score
+    assert all("max_total_tokens" in s.error for s in result.scores)

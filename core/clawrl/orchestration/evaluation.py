@@ -55,10 +55,12 @@ def episode_env(cfg: ClawrlConfig, record: TaskRecord) -> Env:
 
 
 async def model_episode(cfg: ClawrlConfig, engine: Engine, record: TaskRecord, params: SamplingParams) -> Episode:
-    """One episode of ``record`` played by the model ``engine`` serves, under the run's limits
-    (``env.max_turns``), in a fresh environment."""
+    """One episode of ``record`` played by the model ``engine`` serves, in a fresh environment,
+    under the limits training rollouts have (``env.max_turns``, ``env.max_total_tokens``,
+    ``env.episode_timeout_s``; tokens per turn are ``params``')."""
     return await run_episode(engine, engine.tokenizer, episode_env(cfg, record), record.task, params,
-                             cfg.env.max_turns)
+                             cfg.env.max_turns, max_total_tokens=cfg.env.max_total_tokens,
+                             timeout_s=cfg.env.episode_timeout_s)
 
 
 @dataclass
