@@ -18,11 +18,12 @@ from transformers import AutoTokenizer
 from clawrl.config import ConfigError, compose
 from clawrl.embedded.tokenizer import render_chat
 from clawrl.engines import make_engine
-from clawrl.engines.base import ContextLengthExceeded, GenerateResult, SamplingParams
+from clawrl.engines.base import ContextLengthExceeded, EngineError, GenerateResult, ModelInfo, SamplingParams
 from clawrl.envs import Env, EnvError, Observation, StepOutcome, Task
 from clawrl.envs.rollout import run_episode
 from clawrl.envs.source import EnvSource, make_env_source
 from clawrl.envs.toolcall import PYTHON_TOOL, ToolCallEnv
+from clawrl.judges.base import Judge, JudgeInput, Verdict, Vote
 from clawrl.envs.tool_calls import format_tool_call
 from clawrl.trainers.backends import make_trainer
 from tests.required_tools import skip_unless_available
@@ -152,12 +153,14 @@ def test_a_shell_episode_keeps_every_sampled_id_and_masks_what_came_between(tok)
     engine = ScriptedEngine(tok, lambda r, t: replies[t])
     env = ShellLike()
     episode = run(engine, env, max_turns=5)
-    assert (episode.turns, episode.done, episode.truncated, episode.reward, episode.reason) == (3, True, False, 1.0, "done")
+    assert (episode.turns, episode.done, episode.truncated, episode.reward) == (3, True, False, 1.0)
+    assert episode.reason == "done"
     assert_token_exact(engine, 0, episode)
     # the environment read each reply less the end-of-turn token
     assert env.seen == ["Let me look.\n```bash\nls -la\n```", "```bash\ncat notes.txt", "DONE"]
     first_gap = engine.prompts[0][1][len(engine.prompts[0][0]) + len(engine.samples[0][0]):]
-    assert tok.decode(first_gap) == "\n<|im_start|>user\nexit code 0\nstdout:\nls -la<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(first_gap) == ("\n<|im_start|>user\nexit code 0\nstdout:\nls -la<|im_end|>\n"
+                                     "<|im_start|>assistant\n")
     # a reply cut at the token limit sampled no <|im_end|>: the template's one comes in between, masked
     second_gap = engine.prompts[0][2][len(engine.prompts[0][1]) + len(engine.samples[0][1]):]
     assert tok.decode(second_gap).startswith("<|im_end|>\n<|im_start|>user\n")
@@ -450,9 +453,24 @@ def test_groups_of_one_train_on_their_own_reward_and_a_failed_one_yields_nothing
     assert samples == [] and episodes[0].failed and source.counters["failed"] == 1
 
 
+def test_an_engine_failure_is_raised_not_blamed_on_the_environment(tok):
+    class Broken(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            raise EngineError("the engine is shut down")
+
+    envs = [ShellLike(), ShellLike()]
+    source = EnvSource(lambda: envs.pop(), [TASK], Broken(tok, shell_script), tok, 2, SamplingParams(), 2)
+    made = list(envs)
+    with pytest.raises(EngineError, match="shut down"):
+        asyncio.run(source.next_group())
+    assert all(env.closed for env in made) and source.counters["failed"] == 0
+
+
 def test_truncations_and_malformed_replies_are_counted_by_reason(tok):
     envs = [ShellLike(reward=1.0), ShellLike(reward=0.0)]
-    script = lambda r, t: ["no block here", "```bash\nls\n```", "DONE"][t] if r == 0 else "```bash\nls\n```"  # noqa: E731
+    def script(rollout, turn):
+        return ["no block here", "```bash\nls\n```", "DONE"][turn] if rollout == 0 else "```bash\nls\n```"
+
     source, _ = source_of(tok, envs, script, 2)
     episodes, samples = asyncio.run(source.next_group())
     assert [e.reason for e in episodes] == ["done", "max_turns"] and len(samples) == 2
@@ -473,6 +491,98 @@ def test_the_config_picks_the_sample_mode_and_the_limits(tiny_model_dir):
         compose(["env.sample_mode=per_episode"])
     with pytest.raises(EnvError, match="env.sample_mode must be one of trajectory, per_turn"):
         EnvSource(ShellLike, [TASK], NoEngine(), None, 2, SamplingParams(), 2, sample_mode="per_step")
+
+
+# ----- per-step scores
+
+
+class StepRules(Judge):
+    """Scores a step by its reply: +1 for ls, -1 for pwd; garbage otherwise; raises on 'boom'."""
+
+    kind = "step-rules"
+
+    def __init__(self):
+        self.seen: list[JudgeInput] = []
+
+    async def judge(self, item):
+        self.seen.append(item)
+        if "boom" in item.reply:
+            raise RuntimeError("judge down")
+        score = 1 if "ls" in item.reply else -1 if "pwd" in item.reply else None
+        return Verdict(score or 0, [Vote(score, "rule")], self.kind)
+
+
+def test_step_scores_shift_each_turns_advantage_by_the_weight(tok):
+    judge = StepRules()
+    envs = [ShellLike(reward=1.0), ShellLike(reward=0.0)]
+    source, _ = source_of(tok, envs, shell_script, 2, sample_mode="per_turn", step_judge=judge,
+                          step_score_weight=0.5)
+    episodes, samples = asyncio.run(source.next_group())
+    assert [e.step_scores for e in episodes] == [[1, -1, None]] * 2  # DONE has no next state to judge
+    base = [samples[0].advantage, samples[3].advantage]
+    assert base[0] == pytest.approx(0.7071 + 0.5, abs=1e-3) and base[1] == pytest.approx(-0.7071 + 0.5, abs=1e-3)
+    assert [s.advantage - samples[3 * (k // 3) + 2].advantage for k, s in enumerate(samples)] == \
+        pytest.approx([0.5, -0.5, 0.0] * 2)
+    assert [s.extra.get("step_score") for s in samples] == [1, -1, None] * 2
+    # the judge saw the reply and the observation after it, with the task as the request
+    first = judge.seen[0]
+    assert first.request == "List the files, then say DONE." and first.reply == "```bash\nls\n```"
+    assert first.next_state == [{"role": "user", "content": "exit code 0\nstdout:\nls"}]
+    assert source.counters["steps_judged"] == 4
+
+
+def test_a_failing_step_judge_costs_the_score_not_the_episode(tok, caplog):
+    engine = ScriptedEngine(tok, lambda r, t: ["```bash\necho boom\n```", "```bash\nfoo\n```", "DONE"][t])
+    with caplog.at_level(logging.WARNING, logger="clawrl.envs.rollout"):
+        episode = asyncio.run(run_episode(engine, tok, ShellLike(), TASK, SamplingParams(max_new_tokens=64, seed=0), 4,
+                                          step_judge=StepRules()))
+    assert not episode.failed and episode.reward == 1.0 and episode.step_scores == [None, None, None]
+    assert "the step judge failed on turn 0: RuntimeError: judge down" in caplog.text
+
+
+def test_step_scores_need_per_turn_samples(tok):
+    with pytest.raises(EnvError, match="use it with env.sample_mode=per_turn"):
+        source_of(tok, [], shell_script, 2, step_judge=StepRules())
+
+
+class GuessAndJudge:
+    """The policy guesses 7 (rollouts with an odd seed) or 50; as the PRM judge it votes -1 when the
+    next state says 'lower', else +1. One engine for both, as make_env_source wires it."""
+
+    def __init__(self, tok):
+        self.tokenizer, self.judge_prompts = tok, []
+
+    def model_info(self):
+        return ModelInfo("scripted", "", "", len(self.tokenizer), 4096, [self.tokenizer.eos_token_id], 0, "cpu",
+                         "float32")
+
+    async def generate(self, prompt_ids, params):
+        text = self.tokenizer.decode(prompt_ids)
+        if "## Next state" in text:
+            self.judge_prompts.append(text)
+            reply = "It went the wrong way. Score: -1" if "lower" in text.split("## Next state")[1] else "Score: +1"
+        else:
+            reply = "7" if params.seed % 2 else "50"
+        ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return GenerateResult("r", list(prompt_ids), ids, [-0.5] * len(ids), [0] * len(ids), "stop")
+
+
+def test_the_prm_judge_scores_steps_through_make_env_source(tok, tiny_model_dir):
+    cfg = compose([f"model.path={tiny_model_dir}", f"env.name={GUESS_ENV}", "env.sample_mode=per_turn",
+                   "env.step_judge=prm", "env.step_score_weight=0.25", "judge.votes=3", "env.group_size=2",
+                   "env.max_turns=2"])
+    engine = GuessAndJudge(tok)
+    source = make_env_source(cfg, engine)
+    assert source.step_judge.votes == 3 and source.step_score_weight == 0.25
+    episodes, samples = asyncio.run(source.next_group())
+    by_turns = sorted(episodes, key=lambda e: e.turns)
+    assert [e.turns for e in by_turns] == [1, 2] and by_turns[0].reward == 1.0
+    assert by_turns[1].step_scores == [-1, -1]  # "No, lower." twice, three votes each
+    assert len(engine.judge_prompts) == 2 * 3 and "## User request\nGuess my number" in engine.judge_prompts[0]
+    losing = [s for s in samples if s.reward < 1.0]
+    assert [s.extra["step_score"] for s in losing] == [-1, -1]
+    winner = next(s for s in samples if s.reward == 1.0)
+    assert [s.advantage for s in losing] == pytest.approx([-winner.advantage - 0.25] * 2)
 
 
 # ----- with the tiny model

@@ -293,6 +293,11 @@ class EnvConfig:
     episode_timeout_s: Optional[float] = option(1800.0, "Wall-clock limit of an episode's reset and turns; then it "
                                                 "is truncated (an environment call still running fails it). The "
                                                 "closing verdict gets as long again. null: no limit.", gt=0)
+    step_judge: str = option("none", "Per-step scores: none | prm (the PRM judge, judge.votes votes from the policy "
+                             "engine, scores each turn from the observation that followed it; needs "
+                             "env.sample_mode=per_turn).", choices=("none", "prm"))
+    step_score_weight: float = option(0.5, "With env.step_judge=prm: a turn's advantage is its episode's plus this "
+                                      "times its step score (-1/0/+1).", ge=0)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from typing import Awaitable, Callable, Optional
 
 from clawrl.engines.base import ContextLengthExceeded, Engine, GenerateResult, SamplingParams
 from clawrl.envs.base import Env, EnvError, Observation, StepOutcome, Task
+from clawrl.judges.base import Judge, JudgeInput, message_text
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Episode:
     reason: str = ""  # why it ended: the environment's info["reason"], else done, or the limit that cut it
     malformed: int = 0  # replies the environment answered with info["malformed"]
     turn_starts: list[int] = field(default_factory=list)  # where each turn's sampled ids begin in response_ids
+    step_scores: list[Optional[int]] = field(default_factory=list)  # per turn, the step judge's -1/0/+1 or None
 
     def turn_contexts(self) -> list[tuple[list[int], int, int]]:
         """Per model turn: the exact ids it was sampled from, and where its sampled ids lie in
@@ -145,11 +147,14 @@ def _one_line(e: BaseException) -> str:
 
 
 async def run_episode(engine: Engine, tokenizer, env: Env, task: Task, params: SamplingParams, max_turns: int, *,
-                      max_total_tokens: Optional[int] = None, timeout_s: Optional[float] = None) -> Episode:
+                      max_total_tokens: Optional[int] = None, timeout_s: Optional[float] = None,
+                      step_judge: Optional[Judge] = None) -> Episode:
     """Roll out ``task`` in ``env`` with ``engine`` for at most ``max_turns`` model turns, at most
     ``params.max_new_tokens`` tokens a turn and ``max_total_tokens`` in all (None: the engine's
     context window), within ``timeout_s`` seconds (None: no limit). ``finish`` and ``close`` get a
     window of ``timeout_s`` of their own: judging the final state is not the agent's time.
+    ``step_judge`` (a PRM judge) scores each turn from the observation that followed it
+    (``Episode.step_scores``), while the next turn runs.
 
     The reward is the last one the environment gave (0 when it never gave one). An environment
     failure is recorded on the episode (``failed``, ``error``), never raised; engine errors are
@@ -160,7 +165,7 @@ async def run_episode(engine: Engine, tokenizer, env: Env, task: Task, params: S
         raise EnvError(f"max_total_tokens must be >= 2, got {max_total_tokens}")
     if timeout_s is not None and not timeout_s > 0:
         raise EnvError(f"timeout_s must be > 0, got {timeout_s}")
-    loop = _Rollout(engine, tokenizer, env, task, params, max_turns, max_total_tokens, timeout_s)
+    loop = _Rollout(engine, tokenizer, env, task, params, max_turns, max_total_tokens, timeout_s, step_judge)
     try:
         await loop.run()
     finally:
@@ -172,9 +177,10 @@ class _Rollout:
     """The state of one episode while it runs (``run_episode``)."""
 
     def __init__(self, engine, tokenizer, env: Env, task: Task, params: SamplingParams, max_turns: int,
-                 max_total_tokens: Optional[int], timeout_s: Optional[float]):
+                 max_total_tokens: Optional[int], timeout_s: Optional[float], step_judge: Optional[Judge] = None):
         self.engine, self.tokenizer, self.env, self.task = engine, tokenizer, env, task
-        self.params, self.max_turns, self.max_total_tokens, self.timeout_s = params, max_turns, max_total_tokens, timeout_s
+        self.params, self.max_turns = params, max_turns
+        self.max_total_tokens, self.timeout_s = max_total_tokens, timeout_s
         self.clock = _Clock(timeout_s)
         self.episode = Episode(task=task, prompt_ids=[], response_ids=[], loss_mask=[], logprobs=[],
                                weight_versions=[], reward=0.0, turns=0, done=False, truncated=False)
@@ -182,6 +188,8 @@ class _Rollout:
         self.messages: list[dict] = []  # the conversation so far, replies as decoded text
         self.tools: Optional[list[dict]] = None
         self.stop_ids: set[int] = set()
+        self.step_judge = step_judge
+        self.judging: list[asyncio.Task] = []  # one per judged turn, awaited when the episode ends
 
     async def run(self) -> None:
         ep = self.episode
@@ -197,6 +205,7 @@ class _Rollout:
             await self._turns()
         except _EnvFailed as e:
             ep.failed, ep.error, ep.reason = True, str(e), FAILED
+        ep.step_scores = await self._step_scores()
         if not ep.failed and ep.turns == 0:  # a limit ended it before the model said anything
             ep.failed, ep.error = True, f"{ep.reason} ended the episode before the model's first reply"
             ep.reason = FAILED
@@ -242,11 +251,42 @@ class _Rollout:
                 ep.reason = str(info.get("reason") or ("done" if outcome.done else "truncated" if outcome.truncated
                                                        else "ended"))
                 return
+            if self.step_judge is not None:  # the observation is the turn's next state, even one nobody answers
+                self.judging.append(asyncio.ensure_future(self._judge_step(self._step_item(turn, reply, outcome))))
             if turn == self.max_turns - 1:  # out of turns: the unanswered observation is not part of the episode
                 return await self._cut(MAX_TURNS)
             pending = self._between(ids, outcome.observation)
             self.messages += [{"role": "assistant", "content": reply}, *outcome.observation.messages]
             ep.transcript += outcome.observation.messages
+
+    def _step_item(self, turn: int, reply: str, outcome: StepOutcome) -> JudgeInput:
+        """What the step judge reads of a turn: the last user message before the reply (the
+        request), the reply, and the observation after it (the next state)."""
+        request = next((message_text(m) for m in reversed(self.messages) if m.get("role") == "user"), "")
+        return JudgeInput(turn_id=turn, request=request, reply=reply, tool_calls=None,
+                          next_state=list(outcome.observation.messages), messages=list(self.messages))
+
+    async def _judge_step(self, item: JudgeInput) -> tuple[int, Optional[int]]:
+        """(turn, the step judge's score of it); None when the judge had no verdict (garbage votes),
+        failed or ran out of the episode's time: a step score is evidence, never a reason to fail."""
+        turn = item.turn_id
+        try:
+            verdict = await self.clock.run(lambda: self.step_judge.judge(item), "step_judge")
+        except _OutOfTime:
+            return turn, None
+        except Exception as e:
+            log.warning("episode of task %s: the step judge failed on turn %d: %s", self.task.task_id, turn,
+                        _one_line(e))
+            return turn, None
+        return turn, None if verdict.garbage else int(verdict.score)
+
+    async def _step_scores(self) -> list[Optional[int]]:
+        """One score per turn: the judged ones, None for the rest (the last turn has no next state)."""
+        scores: list[Optional[int]] = [None] * self.episode.turns
+        if self.judging:
+            for turn, score in await asyncio.gather(*self.judging):
+                scores[turn] = score
+        return scores
 
     async def _generate(self, context: list[int], budget: int) -> Optional[GenerateResult]:
         """The engine's reply to ``context`` in at most ``budget`` tokens, fewer when the context
@@ -285,7 +325,10 @@ class _Rollout:
 
     async def close(self) -> None:
         """Close the environment (bounded like ``finish``); a failure to close is logged and noted
-        in ``info``, since the episode itself is whole."""
+        in ``info``, since the episode itself is whole. Step judgements still running (the engine
+        failed mid-episode) are cancelled."""
+        for judging in self.judging:
+            judging.cancel()
         try:
             await _Clock(self.timeout_s).run(self.env.close, "close")
         except _OutOfTime:

@@ -21,6 +21,12 @@ with every group), as are truncated episodes by reason and malformed replies. Wi
 ``env.group_size=1`` there is no group to compare within: each healthy episode trains on its own
 reward, as a live-chat turn does (``clawrl.losses.group_advantages``).
 
+Per-step scores (``env.step_judge=prm``, per_turn only): the PRM judge reads each turn's reply and
+the observation that followed it and scores it -1/0/+1 (OpenClaw-RL's process reward); a turn's
+advantage is then its episode's plus ``env.step_score_weight`` times its score (0 where the judge
+had no verdict, and for a last turn with no next state), so a good step in a failed episode is
+pushed down less than the bad one beside it.
+
 Rollouts of one group run concurrently, each with its own sampling seed, so they differ even
 where the environment is deterministic.
 """
@@ -42,6 +48,8 @@ from clawrl.envs import env_class
 from clawrl.envs.base import Env, EnvError, Task
 from clawrl.envs.rollout import Episode, failed_episode, run_episode
 from clawrl.envs.tasks import load_tasks
+from clawrl.judges.base import Judge
+from clawrl.judges.prm import PRMJudge
 from clawrl.losses import group_advantages
 from clawrl.samples import Sample
 
@@ -49,6 +57,8 @@ log = logging.getLogger(__name__)
 
 TRAJECTORY, PER_TURN = "trajectory", "per_turn"
 SAMPLE_MODES = (TRAJECTORY, PER_TURN)
+NO_STEP_JUDGE, PRM = "none", "prm"
+STEP_JUDGES = (NO_STEP_JUDGE, PRM)
 
 
 def group_id(task: Task, round_: int) -> str:
@@ -64,17 +74,22 @@ class EnvSource:
     def __init__(self, new_env: Callable[[], Env], tasks: list[Task], engine: Engine, tokenizer, group_size: int,
                  params: SamplingParams, max_turns: int, group_advantage: str = "grpo",
                  sample_mode: str = TRAJECTORY, max_total_tokens: Optional[int] = None,
-                 episode_timeout_s: Optional[float] = None):
+                 episode_timeout_s: Optional[float] = None, step_judge: Optional[Judge] = None,
+                 step_score_weight: float = 0.0):
         if group_size < 1:
             raise EnvError(f"env.group_size must be >= 1, got {group_size}")
         if not tasks:
             raise EnvError("no tasks to roll out")
         if sample_mode not in SAMPLE_MODES:
             raise EnvError(f"env.sample_mode must be one of {', '.join(SAMPLE_MODES)}, got {sample_mode!r}")
+        if step_judge is not None and sample_mode != PER_TURN:
+            raise EnvError("env.step_judge scores each turn, and a trajectory sample has one advantage for all of "
+                           "them: use it with env.sample_mode=per_turn")
         self.new_env, self.tasks, self.engine, self.tokenizer = new_env, tasks, engine, tokenizer
         self.group_size, self.params, self.max_turns = group_size, params, max_turns
         self.group_advantage, self.sample_mode = group_advantage, sample_mode
         self.max_total_tokens, self.episode_timeout_s = max_total_tokens, episode_timeout_s
+        self.step_judge, self.step_score_weight = step_judge, step_score_weight
         self._groups = 0  # groups rolled out so far: task = groups % len(tasks), round = groups // len(tasks)
         self._ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
@@ -107,7 +122,7 @@ class EnvSource:
             return failed_episode(task, f"making the environment raised {type(e).__name__}: {e}")
         return await run_episode(self.engine, self.tokenizer, env, task, dataclasses.replace(self.params, seed=seed),
                                  self.max_turns, max_total_tokens=self.max_total_tokens,
-                                 timeout_s=self.episode_timeout_s)
+                                 timeout_s=self.episode_timeout_s, step_judge=self.step_judge)
 
     def _group_samples(self, gid: str, episodes: list[Episode]) -> list[Sample]:
         healthy = [e for e in episodes if not e.failed]
@@ -138,11 +153,14 @@ class EnvSource:
             return [Sample(sample_id=next(self._ids), turn_id=0, group_id=gid, prompt_ids=e.prompt_ids,
                            response_ids=e.response_ids, rollout_logprobs=e.logprobs, weight_versions=e.weight_versions,
                            reward=e.reward, advantage=advantage, loss_mask=e.loss_mask, extra=dict(extra))]
+        scores = e.step_scores or [None] * e.turns
         return [Sample(sample_id=next(self._ids), turn_id=turn, group_id=gid, prompt_ids=context,
                        response_ids=e.response_ids[start:end], rollout_logprobs=e.logprobs[start:end],
-                       weight_versions=e.weight_versions[start:end], reward=e.reward, advantage=advantage,
-                       loss_mask=[1] * (end - start), extra=dict(extra))
-                for turn, (context, start, end) in enumerate(e.turn_contexts())]
+                       weight_versions=e.weight_versions[start:end], reward=e.reward,
+                       advantage=advantage + self.step_score_weight * (score or 0),
+                       loss_mask=[1] * (end - start),
+                       extra=dict(extra) if score is None else {**extra, "step_score": score})
+                for turn, ((context, start, end), score) in enumerate(zip(e.turn_contexts(), scores))]
 
     def _count(self, episodes: list[Episode], samples: list[Sample]) -> None:
         c = self.counters
@@ -152,6 +170,8 @@ class EnvSource:
             c["episodes"] += 1
             c["turns"] += e.turns
             c["malformed_replies"] += e.malformed
+            if self.step_judge is not None:
+                c["steps_judged"] += sum(s is not None for s in e.step_scores)
             if e.failed:
                 c["failed"] += 1
             elif e.truncated:
@@ -164,7 +184,11 @@ def make_env_source(cfg: ClawrlConfig, engine: Engine) -> EnvSource:
     cls = env_class(cfg.env.name)
     params = SamplingParams(max_new_tokens=cfg.env.max_tokens_per_turn, temperature=cfg.env.temperature,
                             seed=cfg.seed)
+    # the policy judges its own steps: a separate judge engine is the orchestrator's to make
+    step_judge = PRMJudge(engine, engine.tokenizer, votes=cfg.judge.votes, seed=cfg.seed) \
+        if cfg.env.step_judge == PRM else None
     return EnvSource(lambda: cls.from_config(cfg), load_tasks(cfg.env.tasks, cfg.env.split, cls), engine,
                      engine.tokenizer, cfg.env.group_size, params, cfg.env.max_turns, cfg.train.group_advantage,
                      sample_mode=cfg.env.sample_mode, max_total_tokens=cfg.env.max_total_tokens,
-                     episode_timeout_s=cfg.env.episode_timeout_s)
+                     episode_timeout_s=cfg.env.episode_timeout_s, step_judge=step_judge,
+                     step_score_weight=cfg.env.step_score_weight)
