@@ -325,6 +325,7 @@ class Answers(Env):
     (StepOutcome(None, reward=float("nan"), done=True), "env.step gave the reward nan, not a finite number"),
     (StepOutcome(None, reward="high", done=True), "env.step gave the reward 'high', not a number"),
     (StepOutcome({"role": "user", "content": "hi"}), "env.step gave a dict observation, not an Observation"),
+    (StepOutcome(None, reward=1.0, done=True, info=["solved"]), "env.step gave info as a list, not a dict"),
 ])
 def test_an_environment_answering_nonsense_fails_its_episode(tok, outcome, why):
     # a NaN reward would otherwise poison its group's statistics; None would crash the loop
@@ -392,6 +393,16 @@ def test_per_turn_samples_carry_each_turns_exact_context_and_the_episodes_advant
         assert {s.advantage for s in turn_samples} == {turn_samples[0].advantage} and turn_samples[0].advantage
         assert all(s.reward == e.reward and s.extra["temperature"] == 0.7 for s in turn_samples)
     assert samples[0].advantage == pytest.approx(-samples[3].advantage) and samples[0].advantage > 0
+
+
+def test_a_turn_that_sampled_nothing_makes_no_per_turn_sample(tok):
+    def script(rollout, turn):
+        return [Cut(""), "DONE"][turn] if rollout == 0 else "DONE"
+
+    source, _ = source_of(tok, [ShellLike(reward=0.0), ShellLike(reward=1.0)], script, 2, sample_mode="per_turn")
+    episodes, samples = asyncio.run(source.next_group())
+    assert [e.turns for e in episodes] == [2, 1] and episodes[0].sampled[0] == []
+    assert [s.turn_id for s in samples] == [1, 0] and all(s.response_ids for s in samples)
 
 
 def test_a_trajectory_sample_is_the_whole_episode_with_the_mask_on_sampled_ids(tok):

@@ -136,6 +136,8 @@ def _outcome(outcome, what: str) -> StepOutcome:
             raise _EnvFailed(f"env.{what} gave the reward {outcome.reward!r}, not a number") from None
         if not math.isfinite(reward):
             raise _EnvFailed(f"env.{what} gave the reward {reward}, not a finite number")
+    if not isinstance(outcome.info, dict):
+        raise _EnvFailed(f"env.{what} gave info as a {type(outcome.info).__name__}, not a dict")
     if outcome.observation is not None and not isinstance(outcome.observation, Observation):
         raise _EnvFailed(f"env.{what} gave a {type(outcome.observation).__name__} observation, not an Observation")
     return outcome
@@ -241,7 +243,7 @@ class _Rollout:
             reply = self._reply_text(ids)
             ep.transcript.append({"role": "assistant", "content": reply})
             outcome = _outcome(await self._env_call(lambda: self.env.step(reply), "step", self.clock), "step")
-            info = dict(outcome.info or {})
+            info = dict(outcome.info)
             ep.info = info
             ep.malformed += bool(info.get("malformed"))
             if outcome.reward is not None:
@@ -312,7 +314,7 @@ class _Rollout:
             final = _outcome(final, "finish")
             if final.reward is not None:
                 self.reward = final.reward
-            ep.info = dict(final.info or {})
+            ep.info = dict(final.info)
 
     async def _env_call(self, make: Callable[[], Awaitable], what: str, clock: _Clock):
         """An environment call within ``clock``; whatever goes wrong in it fails the episode."""

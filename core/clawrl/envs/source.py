@@ -160,7 +160,8 @@ class EnvSource:
                        advantage=advantage + self.step_score_weight * (score or 0),
                        loss_mask=[1] * (end - start),
                        extra=dict(extra) if score is None else {**extra, "step_score": score})
-                for turn, ((context, start, end), score) in enumerate(zip(e.turn_contexts(), scores))]
+                for turn, ((context, start, end), score) in enumerate(zip(e.turn_contexts(), scores))
+                if end > start]  # a turn that sampled nothing has nothing to train
 
     def _count(self, episodes: list[Episode], samples: list[Sample]) -> None:
         c = self.counters
