@@ -19,10 +19,12 @@ from clawrl.cli import main
 from clawrl.config import compose
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
+from clawrl.engines.base import EngineError
 from clawrl.envs import Task
 from clawrl.envs.task_formats import TaskRecord
 from clawrl.errors import CliError
 from clawrl.orchestration.env_commands import resolve, split_records
+from clawrl.orchestration import evaluation
 from clawrl.orchestration.evaluation import evaluate, newest_complete_checkpoint, open_eval_engine
 from clawrl.run_lock import RunDirBusy, RunDirLock
 from clawrl.samples import Sample
@@ -310,3 +312,13 @@ def test_episodes_keep_the_limits_training_rollouts_have():
     result, engine = asyncio.run(_evaluate_in_process(task_set.cfg, split_records(task_set, "test", 2)))
     assert engine.params == [] and result.failed == 2  # no reply: nothing of the model to score
     assert all("max_total_tokens" in s.error for s in result.scores)
+
+
+def test_an_engine_failure_ends_the_evaluation_in_one_line(monkeypatch, capsys):
+    async def engine_gone(cfg, engine, record, params):
+        raise EngineError("engine stopped")
+
+    monkeypatch.setattr(evaluation, "model_episode", engine_gone)
+    assert main([*EVAL, *SMALL]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines()[-1] == "clawrl: the engine failed during the evaluation: engine stopped"

@@ -27,7 +27,7 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from clawrl.config import ClawrlConfig, compose
-from clawrl.engines.base import SamplingParams
+from clawrl.engines.base import EngineError, SamplingParams
 from clawrl.envs import Env, EnvError
 from clawrl.envs.scripted import NOP, ORACLE, EpisodeReport, NoOracle, play, success_of
 from clawrl.envs.task_formats import TaskRecord, discover
@@ -202,7 +202,11 @@ def _eval(task_set: TaskSet, args) -> int:
         raise CliError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature!r}")
     records = split_records(task_set, args.split, limit)
     transformers_logging.disable_progress_bar()  # the evaluation's bar is the console's only one
-    result = asyncio.run(_evaluate(task_set.cfg, args.run_dir, records, n, temperature))
+    try:
+        result = asyncio.run(_evaluate(task_set.cfg, args.run_dir, records, n, temperature))
+    except EngineError as e:
+        print(f"clawrl: the engine failed during the evaluation: {e}", file=sys.stderr)
+        return 1
     if result.failed:
         reasons = sorted({s.error for s in result.scores if s.failed and s.error})
         print(f"clawrl: {result.failed} of {result.episodes} episodes could not be played (left out of the "

@@ -123,7 +123,8 @@ async def evaluate(cfg: ClawrlConfig, engine: Engine, records: list[TaskRecord],
     above it, each play samples with its own seed (``episode_seed``), so the figures are
     reproducible for a ``cfg.seed``. Turns and tokens per turn follow ``env.max_turns`` and
     ``env.max_tokens_per_turn``. ``progress`` draws a bar on stderr. An environment failure costs
-    its episode, never the evaluation."""
+    its episode, never the evaluation; an engine failure (``EngineError``) ends it, as it ends a
+    training run's rollouts."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if temperature < 0 or not math.isfinite(temperature):
@@ -143,11 +144,10 @@ async def evaluate(cfg: ClawrlConfig, engine: Engine, records: list[TaskRecord],
         async with gate:
             try:
                 episode = await model_episode(cfg, engine, record, params)
-            except (EnvError, EngineError) as e:  # this episode could not be played; the others go on
+            except EnvError as e:  # its environment could not be made; the other episodes go on
                 score.failed, score.error = True, f"{type(e).__name__}: {e}"
             else:
-                score.failed = bool(getattr(episode, "failed", False))
-                score.error = getattr(episode, "error", None)
+                score.failed, score.error = episode.failed, episode.error
                 score.reward, score.turns, score.truncated = episode.reward, episode.turns, episode.truncated
                 score.success = not score.failed and success_of(episode.reward, episode.info)
                 versions.update(episode.weight_versions)
