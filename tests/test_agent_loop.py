@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
@@ -22,12 +23,15 @@ from clawrl.engines.base import ContextLengthExceeded, EngineError, GenerateResu
 from clawrl.envs import Env, EnvError, Observation, StepOutcome, Task
 from clawrl.envs.rollout import run_episode
 from clawrl.envs.source import EnvSource, make_env_source
+from clawrl.envs.task_formats import discover
+from clawrl.envs.terminal import TerminalEnv
 from clawrl.envs.toolcall import PYTHON_TOOL, ToolCallEnv
 from clawrl.judges.base import Judge, JudgeInput, Verdict, Vote
 from clawrl.envs.tool_calls import format_tool_call
 from clawrl.trainers.backends import make_trainer
 from tests.required_tools import skip_unless_available
 
+REPO = Path(__file__).resolve().parents[1]
 TASK = Task("t-1", {"question": "What is 4821 * 397?", "answer": "1913937"})
 GUESS_ENV = "tests/guess_number_env.py:GuessNumber"
 
@@ -187,6 +191,19 @@ def test_tool_call_tags_reach_the_environment_and_the_tools_are_the_templates_ow
     second = engine.prompts[0][1]
     assert tok.decode(second[len(engine.prompts[0][0]) + len(engine.samples[0][0]):]) == (
         "\n<|im_start|>user\n<tool_response>\n1913937\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_real_terminal_task_played_through_the_token_loop_keeps_its_ids_and_its_verdict(tok, tmp_path):
+    skip_unless_available("bwrap")
+    [record] = discover(REPO / "terminal-rl" / "tasks" / "text-word-frequency")
+    solve = (REPO / "terminal-rl" / "tasks" / "text-word-frequency" / "solution" / "solve.sh").read_text()
+    replies = ["```bash\nls /app\n```", "```bash\n" + solve + "```", "DONE"]
+    engine = ScriptedEngine(tok, lambda r, t: replies[t])
+    env = TerminalEnv.from_config(compose([f"sandbox.root={tmp_path}"]))
+    episode = run(engine, env, params=SamplingParams(max_new_tokens=512, seed=0), task=record.task, max_turns=4)
+    assert (episode.turns, episode.done, episode.reward, episode.info["success"]) == (3, True, 1.0, True)
+    assert "book.txt" in episode.transcript[3]["content"] and episode.transcript[3]["content"].startswith("exit code 0")
+    assert_token_exact(engine, 0, episode)
 
 
 # A template that, like Qwen3's, drops the thinking of assistant turns before the last user message:
