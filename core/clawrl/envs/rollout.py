@@ -29,7 +29,9 @@ and counts as failed.
 The episode becomes samples in one of two shapes (``clawrl.envs.source``): one trajectory (the
 first prompt, then every sampled and in-between id as the response, the loss mask 1 exactly on
 sampled ids, in-between ids carrying logprob 0 and the version of the turn before), or one sample
-per turn with exactly the context that turn saw (``Episode.turn_contexts``).
+per turn with exactly the context that turn saw (``Episode.turn_contexts``). An optional step judge
+(the PRM judge) scores each turn from the observation that followed it (``Episode.step_scores``),
+concurrently with the next turn.
 """
 from __future__ import annotations
 
