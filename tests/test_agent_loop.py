@@ -368,6 +368,22 @@ def test_an_aborted_engine_request_fails_the_episode(tok):
     assert episode.failed and "aborted" in episode.error
 
 
+def test_a_cancelled_episode_still_closes_its_environment(tok):
+    env = ShellLike()
+    engine = ScriptedEngine(tok, lambda r, t: "```bash\nls\n```", delay=lambda turn: 5.0 if turn == 1 else 0.0)
+
+    async def go():
+        episode = asyncio.ensure_future(run_episode(engine, tok, env, TASK, SamplingParams(seed=0), 4))
+        while len(engine.prompts.get(0, [])) < 2:  # the second turn is being sampled
+            await asyncio.sleep(0.01)
+        episode.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await episode
+
+    asyncio.run(go())
+    assert env.closed and not env.finished  # a shutdown is not a verdict
+
+
 def test_bad_limits_are_refused_in_one_line(tok):
     engine = ScriptedEngine(tok, lambda r, t: "DONE")
     for limits, why in (({"max_total_tokens": 1}, "max_total_tokens must be >= 2"),
