@@ -163,9 +163,10 @@ async def _run(task_set: TaskSet, record: TaskRecord, policy: str) -> EpisodeRep
         episode = await model_episode(cfg, engine, record, params)
     finally:
         await engine.shutdown()
-    reason = episode.info.get("reason", "done" if episode.done else "max_turns" if episode.truncated else "done")
+    # the loop's own reason: a limit that cut the episode wins over what the environment's verdict says
+    reason = f"{episode.reason}: {episode.error}" if episode.failed else episode.reason
     return EpisodeReport(task=record.task.task_id, reward=episode.reward, success=success_of(episode.reward, episode.info),
-                         turns=episode.turns, truncated=episode.truncated, reason=str(reason),
+                         turns=episode.turns, truncated=episode.truncated, reason=reason,
                          transcript=episode.transcript)
 
 
