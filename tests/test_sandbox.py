@@ -363,6 +363,28 @@ def test_symlinks_in_the_sandbox_cannot_redirect_host_side_file_access(cfg, tmp_
 # ----------------------------------------------------------------- behaviour
 
 
+def test_a_python_environment_inside_tmp_shows_read_only_within_a_writable_tmp(cfg, tmp_path, monkeypatch):
+    """A venv in /tmp (as CI's may be) is mounted over the sandbox's own writable /tmp."""
+    env = tmp_path / "venv"  # pytest's tmp_path is under the host's /tmp
+    env.mkdir()
+    (env / "marker").write_text("the environment\n")
+    env.chmod(0o755)
+    for parent in env.parents:
+        if str(parent) != "/":
+            os.chmod(parent, os.stat(parent).st_mode | 0o005)
+    dirs = [*sandbox_mod._python_dirs(), str(env)]
+    monkeypatch.setattr(sandbox_mod, "_python_dirs", lambda: dirs)
+
+    async def go():
+        async with open_sandbox(cfg) as sb:
+            return await sb.exec(f"cat {env}/marker && echo ok > /tmp/mine && cat /tmp/mine && "
+                                 f"! touch {env}/planted 2>/dev/null && echo read-only")
+
+    result = run(go())
+    assert (result.returncode, result.stdout) == (0, "the environment\nok\nread-only\n"), result.stderr
+    assert not (env / "planted").exists()
+
+
 def test_files_round_trip_and_persist_across_execs(cfg):
     async def go():
         async with open_sandbox(cfg) as sb:

@@ -161,10 +161,11 @@ def _python_dirs() -> list[str]:
     return out
 
 
-# Top-level names a sandbox may not make writable: the read-only system view, and whatever holds
-# the Python environment (/root here: /root/.pyenv/...).
+# Top-level names a sandbox may not make writable: the read-only system view. The Python
+# environment may live anywhere (/root/.pyenv, a venv in /tmp): it is mounted read-only over the
+# sandbox's own directories, after them, so it shows even inside a writable /tmp or /root.
 SYSTEM_TOP = frozenset({"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "dev", "sys",
-                        "run", "boot"} | {p.strip("/").split("/")[0] for p in _python_dirs()})
+                        "run", "boot"})
 
 
 def _host_view() -> list[tuple[str, str, str]]:
@@ -526,21 +527,21 @@ class BwrapSandbox(_NamespacedSandbox):
             out += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
         for kind, name, what in _host_view():
             out += ["--ro-bind", what, f"/{name}"] if kind == "dir" else ["--symlink", what, f"/{name}"]
-        made = {"/"}
-        for d in _python_dirs():
-            # bwrap would create /root (above /root/.pyenv/...) with the host's 0700, which the slot's
-            # uid could not traverse; the parents are made 0755 here instead (empty but for the env).
-            for parent in list(reversed(Path(d).parents))[1:]:
-                if str(parent) not in made:
-                    made.add(str(parent))
-                    out += ["--perms", "0755", "--dir", str(parent)]
-            out += ["--ro-bind", d, d]
         out += ["--proc", "/proc", "--dev", "/dev"]
         tops = self._writable_tops()
         for top in tops:
             out += ["--bind", str(self.root / top), f"/{top}"]
         if "tmp" not in tops:
             out += ["--tmpfs", "/tmp"]
+        made = {"/"}
+        for d in _python_dirs():  # last: over a writable /tmp or /root that holds it
+            # bwrap would create /root (above /root/.pyenv/...) with the host's 0700, which the slot's
+            # uid could not traverse; missing parents are made 0755 instead (empty but for the env).
+            for parent in list(reversed(Path(d).parents))[1:]:
+                if str(parent) not in made:
+                    made.add(str(parent))
+                    out += ["--perms", "0755", "--dir", str(parent)]
+            out += ["--ro-bind", d, d]
         out += ["--remount-ro", "/", "--chdir", cwd, "--"]
         return out + self._inner_argv(argv, env)
 
@@ -570,7 +571,7 @@ class UnshareSandbox(_NamespacedSandbox):
         for d in _python_dirs():
             (view / d.lstrip("/")).mkdir(mode=0o755, parents=True, exist_ok=True)
         for d in ("proc", "tmp", "dev/shm", ".old"):
-            (view / d).mkdir(mode=0o755, parents=True)
+            (view / d).mkdir(mode=0o755, parents=True, exist_ok=True)  # /tmp: made already if Python is there
         for n in self.DEV_NODES:
             (view / "dev" / n).touch(mode=0o644)
         (view / "dev" / "fd").symlink_to("/proc/self/fd")
@@ -589,12 +590,12 @@ class UnshareSandbox(_NamespacedSandbox):
         for kind, name, what in _host_view():
             if kind == "dir":
                 lines.append(f'{ro} {q(what)} "$NR/{name}"')
-        for d in _python_dirs():
-            lines.append(f'{ro} {q(d)} "$NR"{q(d)}')
         for top in tops:
             lines.append(f'mount --bind -o nosuid,nodev {q(str(self.root / top))} "$NR/{top}"')
         if "tmp" not in tops:
             lines.append('mount -t tmpfs -o mode=1777,nosuid,nodev clawrl-tmp "$NR/tmp"')
+        for d in _python_dirs():  # last: over a writable /tmp or /root that holds it
+            lines.append(f'mkdir -p -m 0755 "$NR"{q(d)}; {ro} {q(d)} "$NR"{q(d)}')
         lines += [
             'mount -t proc -o nosuid,nodev,noexec proc "$NR/proc"',  # this pid namespace's processes only
             f'for n in {" ".join(self.DEV_NODES)}; do mount --bind "/dev/$n" "$NR/dev/$n"; done',
