@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from clawrl.envs.base import EnvError
-from clawrl.envs.task_formats.spec import HARBOR, TESTS_DIR, UNSPLIT, TerminalTaskSpec
+from clawrl.envs.task_formats.spec import HARBOR, TESTS_DIR, UNSPLIT, TerminalTaskSpec, positive_number
 
 # network_mode values that mean no network: Harbor's own "no-network" (its modes are public,
 # no-network and allowlist) and Docker's "none".
@@ -107,19 +107,13 @@ def _table(config: dict, name: str, file: Path) -> dict[str, Any]:
 
 
 def _seconds(table: dict, key: str, section: str, file: Path) -> float:
-    value = table.get(key, DEFAULT_TIMEOUT_S)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise EnvError(f"{file}: [{section}] {key} must be a positive number of seconds, not {value!r}")
-    return float(value)
+    return positive_number(table.get(key, DEFAULT_TIMEOUT_S),
+                           f"{file}: [{section}] {key} must be a positive number of seconds")
 
 
 def _positive(table: dict, key: str, file: Path) -> Optional[float]:
     value = table.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise EnvError(f"{file}: [environment] {key} must be a positive number, not {value!r}")
-    return float(value)
+    return None if value is None else positive_number(value, f"{file}: [environment] {key} must be a positive number")
 
 
 def _optional_str(table: dict, key: str, file: Path) -> Optional[str]:

@@ -70,6 +70,14 @@ class TaskRecord:
     format: str
 
 
+def positive_number(value: Any, what: str) -> float:
+    """``value`` as a float when it is a positive number (not a bool); otherwise EnvError saying
+    ``what`` must be one (``what`` names the file and key, and the unit if any)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise EnvError(f"{what}, not {value!r}")
+    return float(value)
+
+
 def spec_of(task: Task) -> TerminalTaskSpec:
     """The TerminalTaskSpec a discovered terminal task carries; EnvError for a row task."""
     spec = task.data.get("spec")

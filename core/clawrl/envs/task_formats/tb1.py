@@ -20,7 +20,7 @@ from typing import Any, Optional
 import yaml
 
 from clawrl.envs.base import EnvError
-from clawrl.envs.task_formats.spec import TB1, TESTS_DIR, UNSPLIT, TerminalTaskSpec
+from clawrl.envs.task_formats.spec import TB1, TESTS_DIR, UNSPLIT, TerminalTaskSpec, positive_number
 
 TASK_FILE = "task.yaml"
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml")
@@ -107,10 +107,7 @@ def _instruction(config: dict, file: Path) -> str:
 
 
 def _seconds(config: dict, key: str, default: float, file: Path) -> float:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise EnvError(f"{file}: {key} must be a positive number of seconds, not {value!r}")
-    return float(value)
+    return positive_number(config.get(key, default), f"{file}: {key} must be a positive number of seconds")
 
 
 def _compose(path: Path) -> tuple[Path, Path, Optional[str], bool, Optional[str], dict[str, str]]:
