@@ -23,6 +23,7 @@ from clawrl.embedded.corpus import Chat, short_chat
 from clawrl.envs.answers import answers_match
 from clawrl.envs.task_formats import ROWS, discover
 from clawrl.orchestration.env_commands import resolve
+from clawrl.orchestration.evaluation import episode_env
 
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "toolcall-rl"
@@ -183,6 +184,6 @@ def test_no_test_problem_appears_in_the_embedded_model_corpus():
 def test_the_method_directory_names_its_tasks_and_environment():
     task_set = resolve("toolcall-rl", [f"env.name={ENV_BY_PATH}"])
     assert len(task_set.records) == len(rows("train")) + len(rows("test"))
-    assert type(task_set.env_for(task_set.records[0])).__name__ == "ToolCallEnv"
+    assert type(episode_env(task_set.cfg, task_set.records[0])).__name__ == "ToolCallEnv"
     recipe = compose([], yaml_path=str(SUITE / "config.yaml"))
     assert (recipe.env.name, recipe.env.tasks) == ("toolcall", ".")

@@ -28,7 +28,7 @@ from transformers.utils import logging as transformers_logging
 
 from clawrl.config import ClawrlConfig, compose
 from clawrl.engines.base import EngineError, SamplingParams
-from clawrl.envs import Env, EnvError
+from clawrl.envs import EnvError
 from clawrl.envs.scripted import NOP, ORACLE, EpisodeReport, NoOracle, play, success_of
 from clawrl.envs.task_formats import TaskRecord, discover
 from clawrl.errors import CliError
@@ -47,11 +47,6 @@ class TaskSet:
 
     cfg: ClawrlConfig
     records: list[TaskRecord]
-
-    def env_for(self, record: TaskRecord) -> Env:
-        """A fresh environment for one episode of ``record``: ``env.name`` when it names one,
-        else the one the task's format implies."""
-        return episode_env(self.cfg, record)
 
     def find(self, task_id: str | None) -> TaskRecord:
         if task_id is None:
@@ -122,9 +117,9 @@ async def _check(task_set: TaskSet) -> int:
         async with gate:
             line = {"task": record.task.task_id, "oracle": None, "nop": None}
             try:
-                oracle = await play(task_set.env_for(record), record.task, ORACLE, turns)
+                oracle = await play(episode_env(task_set.cfg, record), record.task, ORACLE, turns)
                 line["oracle"] = oracle.reward
-                nop = await play(task_set.env_for(record), record.task, NOP, turns)
+                nop = await play(episode_env(task_set.cfg, record), record.task, NOP, turns)
                 line["nop"] = nop.reward
             except NoOracle:
                 line["status"] = "no_oracle"
@@ -153,7 +148,7 @@ async def _run(task_set: TaskSet, record: TaskRecord, policy: str) -> EpisodeRep
     cfg = task_set.cfg
     if policy in (ORACLE, NOP):
         try:
-            return await play(task_set.env_for(record), record.task, policy, cfg.env.max_turns)
+            return await play(episode_env(task_set.cfg, record), record.task, policy, cfg.env.max_turns)
         except NoOracle as e:
             raise CliError(str(e)) from None
     engine, _ = await open_eval_engine(cfg, None)

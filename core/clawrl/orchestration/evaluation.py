@@ -33,13 +33,13 @@ from clawrl.engines.base import Engine, EngineError, SamplingParams
 from clawrl.envs import CHAT, ENVS, Env, EnvError, env_class
 from clawrl.envs.rollout import Episode, run_episode
 from clawrl.envs.scripted import success_of
-from clawrl.envs.task_formats import TaskRecord
+from clawrl.envs.task_formats import HARBOR, TB1, TaskRecord
 from clawrl.errors import CliError
 from clawrl.trainers.backends import make_trainer
 from clawrl.trainers.base import TrainerError
 
 # The environment a task directory's format implies when env.name does not say.
-FORMAT_ENVS = {"harbor": "terminal", "tb1": "terminal"}
+FORMAT_ENVS = {HARBOR: "terminal", TB1: "terminal"}
 # A checkpoint pruned by a live server while it is read is looked for again this many times.
 _LISTING_RETRIES = 3
 
