@@ -4,8 +4,10 @@
 1. Prefill of the OpenClaw request: HF's single forward, the ragged forward in 2048-token chunks and
    in one, the GPU time of each chunk, and the host time to queue one chunk.
 2. Decode floor: a StaticDecoder's captured step replayed alone, and launched back to back with
-   its sampling, at 1, 8 and 64 sequences of 600 tokens.
-3. Decode attention at 1 and 64 sequences through SDPA's backends and a plain matmul-softmax-matmul.
+   its sampling, at 1, 8 and 64 sequences of 600 tokens, with the Triton split-K decode attention
+   and with SDPA.
+3. Decode attention at 1 and 64 sequences through SDPA's backends, a plain matmul-softmax-matmul
+   and the Triton split-K kernel (``clawrl.engines.decode_attention``).
 4. How many kernels one 1-sequence decode step launches, and which.
 
     python benchmarks/gpu_profile.py [--shape qwen3-1.7b] [--tokenizer DIR]
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
+from clawrl.engines import decode_attention
 from clawrl.engines.ragged import RaggedForward, Segment
 from clawrl.engines.static_decode import StaticDecoder
 
@@ -76,8 +79,8 @@ def prefill(model, rf: RaggedForward, prompt: list[int]) -> None:
 
 
 def decode_floor(rf: RaggedForward, vocab: int) -> None:
-    for b in (1, 8, 64):
-        dec = StaticDecoder(rf, slots=64, capacity=1024, graphs=True)
+    for attention, b in [(a, b) for a in ("triton", "sdpa") for b in (1, 8, 64)]:
+        dec = StaticDecoder(rf, slots=64, capacity=1024, graphs=True, attention=attention)
         for i in range(b):
             kv = rf.new_kv(600, 1024)
             rf.forward([Segment(kv, torch.randint(0, vocab, (600,)).tolist(), [])])
@@ -97,7 +100,7 @@ def decode_floor(rf: RaggedForward, vocab: int) -> None:
             graph.replay()
         torch.cuda.synchronize()
         replay = (time.perf_counter() - t) / 50
-        print(f"{b} sequences: launch() back to back {per_step * 1000:.2f} ms/step ({b / per_step:.0f} tok/s); "
+        print(f"{attention}: {b} sequences: launch() back to back {per_step * 1000:.2f} ms/step ({b / per_step:.0f} tok/s); "
               f"graph replay alone {replay * 1000:.2f} ms")
 
 
@@ -122,7 +125,10 @@ def attention_backends(kv_heads: int, group: int, dim: int) -> None:
             return run
 
         ref = manual()
-        for name, fn in [("default", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+        pos = torch.full((b,), 700, device="cuda")
+        for name, fn in [("triton split-K (live 701 positions)",
+                          lambda: decode_attention.decode_attention(q, k, v, pos, dim ** -0.5, width)),
+                         ("default", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
                          ("efficient", backend(SDPBackend.EFFICIENT_ATTENTION)),
                          ("cudnn", backend(SDPBackend.CUDNN_ATTENTION)), ("matmul-softmax-matmul", manual)]:
             try:
@@ -144,18 +150,27 @@ def attention_backends(kv_heads: int, group: int, dim: int) -> None:
 
 
 def kernel_count(rf: RaggedForward) -> None:
-    dec = StaticDecoder(rf, slots=64, capacity=1024, graphs=False)
-    kv = rf.new_kv(600, 1024)
-    rf.forward([Segment(kv, list(range(600)), [])])
-    dec.admit(0, kv, 5)
-    dec._forward(1, 768)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        dec._forward(1, 768)
+    """The kernels of one eager decode step at 1 sequence (how many, which) and at 64 (GPU time by
+    kernel: what the captured step spends its time on)."""
+    for b in (1, 64):
+        dec = StaticDecoder(rf, slots=64, capacity=1024, graphs=False)
+        kv = rf.new_kv(600, 1024)
+        rf.forward([Segment(kv, list(range(600)), [])])
+        for i in range(b):
+            dec.admit(i, kv, 5)
+        dec._forward(b, 768)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    print(f"kernels in one 1-sequence decode step: {len(kernels)}")
-    print(collections.Counter(e.name[:60] for e in kernels).most_common(12))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec._forward(b, 768)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        print(f"kernels in one {b}-sequence decode step ({dec.attention} attention): {len(kernels)}")
+        print(collections.Counter(e.name[:60] for e in kernels).most_common(12))
+        by_name = collections.Counter()
+        for e in kernels:
+            by_name[e.name[:70]] += e.device_time_total
+        print(f"GPU time of that step by kernel, us (total {sum(by_name.values()):.0f}):",
+              [(n, round(t)) for n, t in by_name.most_common(10)])
 
 
 def main() -> int:

@@ -16,13 +16,22 @@ first) against HF's single forward of the whole prompt (``logits_to_keep=1``), C
 cold again while 8 other streams decode, when the engine chunks it (``engine.prefill_chunk_tokens``)
 so that they keep getting tokens (alone, a step takes 8 times that many prompt tokens).
 
+Serving: 8 and 64 concurrent chats (about 512 prompt tokens, 256 new, temperature 1) through the
+gateway -- uvicorn on the event loop ``clawrl serve`` gets, FastAPI, streamed chat completions
+(SSE), the session linker and its SQLite turn store -- from a client in its own process
+(``gpu_serving_client.py``), against the same prompt ids and sampling params through
+``engine.stream`` directly, on the same engine in the same run: tokens per second, TTFT, and
+where the server's time goes (its CPU seconds and how late the event loop wakes up). The random
+model is first made to sample ids the embedded tokenizer has (``speak_tokenizer``), so there is
+text to detokenise and stream; this part therefore runs last.
+
 Every figure is the median of ``--repeat`` runs (at least 3 on a GPU: the first run at each batch
 size is much slower than later ones, for HF too), engine and HF interleaved. The figures go into
 ``--out`` (default ``benchmarks/results/h200.json`` on a GPU), each beside its baseline, ratio,
 commit and command, and a markdown table is printed. ``--shape tiny`` runs the whole suite in
 seconds on a CPU, so the script cannot rot.
 
-    python benchmarks/gpu_suite.py --part decode|prefill|all [--shape qwen3-1.7b|qwen3-0.6b|tiny]
+    python benchmarks/gpu_suite.py --part decode|prefill|serving|all [--shape qwen3-1.7b|qwen3-0.6b|tiny]
 """
 from __future__ import annotations
 
@@ -34,21 +43,29 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import uvicorn
 from tokenizers import Tokenizer
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from clawrl.config import EngineConfig
+from clawrl.config import EngineConfig, compose
 from clawrl.embedded.build import build_tokenizer, default_model_path
-from clawrl.embedded.tokenizer import render_chat
+from clawrl.embedded.tokenizer import render_chat, save_tokenizer
 from clawrl.engines.base import SamplingParams
 from clawrl.engines.loading import LoadedModel
 from clawrl.engines.torch_engine import TorchEngine
+from clawrl.gateway.app import create_app
+from clawrl.gateway.protocol import parse_chat_request
+from clawrl.gateway.render import render_prompt
+from clawrl.sessions import SessionLinker
+from clawrl.store import TurnStore
 
 ROOT = Path(__file__).resolve().parents[1]
+CLIENT = Path(__file__).with_name("gpu_serving_client.py")
 FIXTURE = ROOT / "tests" / "fixtures" / "openclaw-2026.9.6" / "chat_turn1.json"
 
 # The numbers of tools/gpu_baselines.py (Qwen3-1.7B shape, tied), and a 0.6B shape to iterate on.
@@ -65,6 +82,12 @@ SIZES = {
     "qwen3-1.7b": ((1, 8, 64), 512, 256, 0),
     "qwen3-0.6b": ((1, 8, 64), 512, 256, 0),
     "tiny": ((1, 4), 32, 8, 600),
+}
+# Per shape: concurrent chats through the gateway, prompt tokens (about), new tokens.
+SERVING = {
+    "qwen3-1.7b": ((8, 64), 512, 256),
+    "qwen3-0.6b": ((8, 64), 512, 256),
+    "tiny": ((2, 4), 40, 8),
 }
 
 
@@ -245,6 +268,181 @@ async def run_prefill(model, lm, args, limit, repeat, others: list[list[int]], o
     }}
 
 
+# ---------------------------------------------------------------- serving
+
+def chat_tokenizer(tokenizer_dir: str | None, workdir: Path):
+    """The embedded model's tokenizer as transformers loads it: the gateway renders the chat
+    template and detokenises with it."""
+    if tokenizer_dir and (Path(tokenizer_dir) / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
+    try:
+        return AutoTokenizer.from_pretrained(default_model_path(build_if_missing=False))
+    except FileNotFoundError:
+        save_tokenizer(build_tokenizer(0), workdir / "tokenizer", 32768)  # trained here (seconds)
+        return AutoTokenizer.from_pretrained(workdir / "tokenizer")
+
+
+def speak_tokenizer(model, vocab_used: int) -> None:
+    """Make the random model sample ids the tokenizer has, so the gateway has text to detokenise
+    and stream (the 1.7B shape's 151936 ids are far more than the embedded tokenizer's): the
+    (tied) embedding rows past ``vocab_used`` become zero, whose logit is then 0, and the others are
+    scaled up 16 times, so that their logits dominate. The shape, and so every byte and FLOP of a
+    step, stays as it was."""
+    emb = model.get_input_embeddings().weight
+    with torch.no_grad():
+        for w in {id(emb): emb, id(model.lm_head.weight): model.lm_head.weight}.values():
+            w[vocab_used:] = 0
+            w[:vocab_used] *= 16
+
+
+def serving_conversations(tok, n: int, prompt_tokens: int) -> list[list[dict]]:
+    """``n`` different one-message chats of about ``prompt_tokens`` tokens: a numbered request
+    over a slice of the OpenClaw system prompt's words (different slices, so that no prefix is
+    shared beyond the template's first tokens)."""
+    words = json.loads(FIXTURE.read_text())["body"]["messages"][0]["content"].split()
+    per_word = len(tok.encode(" ".join(words), add_special_tokens=False)) / len(words)
+    take = max(1, int((prompt_tokens - 16) / per_word))
+    convs = []
+    for i in range(n):
+        start = (i * 101) % len(words)
+        part = [words[(start + j) % len(words)] for j in range(take)]
+        convs.append([{"role": "user", "content": f"Request {i}. Summarise this:\n" + " ".join(part)}])
+    return convs
+
+
+class LoopLag:
+    """How late a 5 ms sleep wakes up on the event loop, on average: how busy the loop is."""
+
+    def __init__(self):
+        self.lags: list[float] = []
+        self._task = None
+
+    async def _probe(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.lags.append(time.perf_counter() - t - 0.005)
+
+    def __enter__(self):
+        self._task = asyncio.get_running_loop().create_task(self._probe())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._task.cancel()
+
+    def mean_ms(self) -> float:
+        return 1000 * statistics.fmean(self.lags) if self.lags else 0.0
+
+
+def serving_summary(rows: list, wall: float, cpu: float, lag_ms: float) -> dict:
+    firsts = sorted(f for f, _, _ in rows if f is not None)
+    tokens = sum(n for _, _, n in rows)
+    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
+            "ttft_p50_ms": 1000 * statistics.median(firsts) if firsts else float("nan"),
+            "ttft_max_ms": 1000 * firsts[-1] if firsts else float("nan"),
+            "latency_p50_ms": 1000 * statistics.median(t for _, t, _ in rows),
+            "server_cpu_s": cpu, "loop_lag_ms": lag_ms}
+
+
+async def serve_direct(eng: TorchEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """Every prompt through ``engine.stream`` at once: first token, last token, tokens."""
+    async def one(ids, p):
+        t0 = time.perf_counter()
+        first, n = None, 0
+        async for chunk in eng.stream(ids, p):
+            if chunk.token_ids and first is None:
+                first = time.perf_counter() - t0
+            n += len(chunk.token_ids)
+        return first, time.perf_counter() - t0, n
+
+    await eng.flush_cache()
+    cpu = time.process_time()
+    with LoopLag() as lag:
+        t0 = time.perf_counter()
+        rows = await asyncio.gather(*(one(ids, p) for ids, p in zip(prompts, params)))
+        wall = time.perf_counter() - t0
+    return serving_summary(rows, wall, time.process_time() - cpu, lag.mean_ms())
+
+
+async def serve_http(eng: TorchEngine, url: str, model_name: str, convs_file: Path, new: int) -> dict:
+    """The same chats as streamed chat completions from the client process."""
+    await eng.flush_cache()
+    cpu = time.process_time()
+    with LoopLag() as lag:
+        proc = await asyncio.create_subprocess_exec(sys.executable, str(CLIENT), url, model_name, str(convs_file),
+                                                    str(new), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"the serving client failed: {err.decode()[-1000:]}")
+    d = json.loads(out.decode().strip().splitlines()[-1])
+    # the client's own warm-up request ran inside this window too: a small overcount of the CPU
+    return serving_summary(d["rows"], d["wall_s"], time.process_time() - cpu, lag.mean_ms())
+
+
+async def run_serving(model, lm, args, streams, prompt_len, new, repeat) -> dict:
+    """Concurrent chats through the gateway (uvicorn + FastAPI + SSE + the turn store) against the
+    same prompts through the engine directly, in the same process and on the same engine."""
+    work = Path(tempfile.mkdtemp(prefix="gpu-serving-"))
+    tok = chat_tokenizer(args.tokenizer, work)
+    speak_tokenizer(model, min(len(tok), model.config.vocab_size))
+    slm = LoadedModel(**{**vars(lm), "tokenizer": tok})
+    cfg = compose([f"run_dir={work / 'run'}", f"engine.max_batch_size={max(streams)}",
+                   f"server.max_queue={4 * max(streams)}"])
+    eng = TorchEngine(slm, cfg.engine)
+    app = create_app(cfg, eng, SessionLinker(TurnStore(cfg.run_dir), cfg.sessions.idle_timeout_s))
+    gw = app.state.gateway
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    serving = asyncio.create_task(server.serve())  # its lifespan starts the engine
+    out = {"loop": type(asyncio.get_running_loop()).__module__}
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()
+                raise RuntimeError("uvicorn stopped before it started")
+            await asyncio.sleep(0.05)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        for n in streams:
+            convs = serving_conversations(tok, n, prompt_len)
+            convs_file = work / f"convs_{n}.json"
+            convs_file.write_text(json.dumps(convs))
+            reqs = [parse_chat_request({"model": gw.model_name, "messages": m, "max_tokens": new,
+                                        "temperature": 1.0, "top_p": 1.0, "stream": True}) for m in convs]
+            prompts = [render_prompt(tok, r, gw.max_context, False).ids for r in reqs]
+            params = [gw.sampling(r, len(ids)) for r, ids in zip(reqs, prompts)]  # as the gateway makes them
+            await serve_direct(eng, prompts, params)  # warm-up: graph captures for these shapes
+            direct, http = [], []
+            for _ in range(repeat):
+                direct.append(await serve_direct(eng, prompts, params))
+                http.append(await serve_http(eng, url, gw.model_name, convs_file, new))
+            for d in direct + http:
+                if d["tokens"] != n * new:
+                    raise RuntimeError(f"{d['tokens']} tokens came back, not {n} x {new}")
+            d = sorted(direct, key=lambda x: x["tok_s"])[len(direct) // 2]  # the median run by throughput
+            h = sorted(http, key=lambda x: x["tok_s"])[len(http) // 2]
+            out[f"chats_{n}"] = {
+                "gateway_tok_s": round(h["tok_s"], 1), "engine_tok_s": round(d["tok_s"], 1),
+                "ratio": round(h["tok_s"] / d["tok_s"], 3),
+                "gateway_ttft_p50_ms": round(h["ttft_p50_ms"], 1), "engine_ttft_p50_ms": round(d["ttft_p50_ms"], 1),
+                "gateway_ttft_max_ms": round(h["ttft_max_ms"], 1), "engine_ttft_max_ms": round(d["ttft_max_ms"], 1),
+                "gateway_latency_p50_ms": round(h["latency_p50_ms"], 1),
+                "engine_latency_p50_ms": round(d["latency_p50_ms"], 1),
+                "gateway_server_cpu_s": round(h["server_cpu_s"], 2), "engine_server_cpu_s": round(d["server_cpu_s"], 2),
+                "gateway_loop_lag_ms": round(h["loop_lag_ms"], 2), "engine_loop_lag_ms": round(d["loop_lag_ms"], 2),
+                "prompt_tokens_mean": round(statistics.fmean(len(p) for p in prompts), 1), "new_tokens": new,
+                "runs": {"gateway_tok_s": [round(x["tok_s"], 1) for x in http],
+                         "engine_tok_s": [round(x["tok_s"], 1) for x in direct]},
+            }
+            print(f"serving {n:>3} chats: gateway {h['tok_s']:9.1f} tok/s, TTFT p50 {h['ttft_p50_ms']:7.1f} ms; "
+                  f"engine direct {d['tok_s']:9.1f} tok/s, TTFT p50 {d['ttft_p50_ms']:7.1f} ms; ratio "
+                  f"{h['tok_s'] / d['tok_s']:5.2f}; loop lag {h['loop_lag_ms']:.2f} vs {d['loop_lag_ms']:.2f} ms, "
+                  f"server CPU {h['server_cpu_s']:.1f} vs {d['server_cpu_s']:.1f} s  "
+                  f"runs {out[f'chats_{n}']['runs']}", flush=True)
+    finally:
+        server.should_exit = True
+        await serving  # the lifespan shuts the engine down
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 def commit() -> str:
@@ -258,7 +456,9 @@ def commit() -> str:
 
 
 def table(results: dict) -> str:
-    lines = ["| what | clawrl | HF baseline, same run | clawrl / HF |", "|---|---:|---:|---:|"]
+    lines = []
+    if results.get("decode") or results.get("prefill"):
+        lines += ["| what | clawrl | HF baseline, same run | clawrl / HF |", "|---|---:|---:|---:|"]
     for key, d in results.get("decode", {}).items():
         if key.startswith("streams_"):
             lines.append(f"| decode, {key[8:]} stream(s), tok/s (greedy: {d['clawrl_greedy_tok_s']:.0f}) "
@@ -272,12 +472,21 @@ def table(results: dict) -> str:
             lines.append(f"| cold prefill while {p['decoding_streams']} streams decode (chunked), ms "
                          f"| {p['cold_beside_decoding_ms']:.0f} | {p['hf_ms']:.0f} "
                          f"| {p['cold_beside_decoding_ms'] / p['hf_ms']:.2f} |")
+    srv = {k: d for k, d in results.get("serving", {}).items() if k.startswith("chats_")}
+    if srv:
+        lines += ["", "| concurrent chats | gateway tok/s | engine direct tok/s | gateway / direct "
+                      "| TTFT p50 gateway / direct, ms | latency p50 gateway / direct, ms |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for key, d in srv.items():
+            lines.append(f"| {key[6:]} | {d['gateway_tok_s']:.0f} | {d['engine_tok_s']:.0f} | {d['ratio']:.2f} "
+                         f"| {d['gateway_ttft_p50_ms']:.0f} / {d['engine_ttft_p50_ms']:.0f} "
+                         f"| {d['gateway_latency_p50_ms']:.0f} / {d['engine_latency_p50_ms']:.0f} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("decode", "prefill", "all"), default="all")
+    ap.add_argument("--part", choices=("decode", "prefill", "serving", "all"), default="all")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="model shape (default: qwen3-1.7b on a GPU, tiny on a CPU)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
@@ -313,6 +522,15 @@ def main(argv=None) -> int:
         pre = asyncio.run(run_prefill(model, lm, args, limit, args.repeat, others, 4 * new))
         pre["openclaw"].update(stamp, shape=shape)
         results["prefill"] = pre
+    if args.part in ("serving", "all"):  # last: it changes the model's weights (speak_tokenizer)
+        chats, prompt_tokens, serve_new = SERVING[shape]
+        # the event loop `clawrl serve` gets (uvicorn's choice: uvloop where it is installed)
+        with asyncio.Runner(loop_factory=uvicorn.Config(None).get_loop_factory()) as runner:
+            srv = runner.run(run_serving(model, lm, args, chats, prompt_tokens, serve_new, args.repeat))
+        for key, d in srv.items():
+            if key.startswith("chats_"):
+                d.update(stamp, shape=shape)
+        results["serving"] = srv
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\n{table(results)}\n\n({shape}, {results['meta']['device']}, commit {stamp['commit']}, "

@@ -1,9 +1,11 @@
 """benchmarks/gpu_suite.py at its tiny CPU size, so the GPU benchmark cannot rot: it runs the
-decode and prefill parts end to end and writes every key the results file promises."""
+decode, prefill and serving parts end to end (serving through a real uvicorn server and the HTTP
+client process) and writes every key the results file promises."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,8 +37,17 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
     assert p["ratio_to_hf"] == pytest.approx(p["clawrl_ms"] / p["hf_ms"], rel=1e-2)
     assert 0 < p["cached_tokens"] < p["tokens"]  # the hit really came from the prefix cache
     assert p["cold_beside_decoding_ms"] > 0 and p["decoding_streams"] == 8
+    for n in (2, 4):  # every chat got all its tokens through HTTP (the suite checks the count)
+        s = res["serving"][f"chats_{n}"]
+        assert s["gateway_tok_s"] > 0 and s["engine_tok_s"] > 0
+        assert s["ratio"] == pytest.approx(s["gateway_tok_s"] / s["engine_tok_s"], rel=1e-2)
+        assert 0 < s["gateway_ttft_p50_ms"] <= s["gateway_latency_p50_ms"]
+        assert 0 < s["engine_ttft_p50_ms"] <= s["engine_latency_p50_ms"]
+        assert s["prompt_tokens_mean"] > 20 and s["new_tokens"] == 8
+        assert s["commit"] and s["command"].startswith("python benchmarks/gpu_suite.py --shape tiny")
     printed = capsys.readouterr().out
     assert "| decode, 1 stream(s)" in printed and "| cold prefill, OpenClaw request" in printed
+    assert "| 4 | " in printed  # the serving table's row for 4 chats
 
 
 def test_gpu_suite_decode_part_leaves_prefill_alone(tmp_path):
@@ -47,4 +58,14 @@ def test_gpu_suite_decode_part_leaves_prefill_alone(tmp_path):
     out.write_text(json.dumps({"prefill": earlier}))
     assert suite.main(["--part", "decode", "--shape", "tiny", "--repeat", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["prefill"] == earlier and "streams_4" in res["decode"]
+    assert res["prefill"] == earlier and "streams_4" in res["decode"] and "serving" not in res
+
+
+def test_serving_conversations_differ_and_have_the_asked_length():
+    suite = load_suite()
+    tok = suite.chat_tokenizer(None, Path(tempfile.mkdtemp()))
+    convs = suite.serving_conversations(tok, 5, 300)
+    texts = [c[0]["content"] for c in convs]
+    assert len(set(texts)) == 5 and all(c[0]["role"] == "user" for c in convs)
+    lengths = [len(tok.encode(t, add_special_tokens=False)) for t in texts]
+    assert all(200 < n < 400 for n in lengths), lengths

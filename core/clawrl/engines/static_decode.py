@@ -25,6 +25,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from clawrl.engines import decode_attention
 from clawrl.engines.base import SamplingParams
 from clawrl.engines.ragged import RaggedForward, SeqKV, rms_norm, to_device
 from clawrl.engines.sampling import draw, draw_options, pack
@@ -64,7 +65,8 @@ def default_capacity(runner: RaggedForward, slots: int, max_context: int) -> int
 class StaticDecoder:
     """See the module docstring. ``owner`` objects (the engine's requests) are opaque here."""
 
-    def __init__(self, runner: RaggedForward, slots: int, capacity: int, graphs: bool | None = None):
+    def __init__(self, runner: RaggedForward, slots: int, capacity: int, graphs: bool | None = None,
+                 attention: str | None = None):
         if slots < 1 or capacity < 1:
             raise ValueError(f"a static decoder needs slots >= 1 and capacity >= 1, got {slots} and {capacity}")
         self.runner = runner
@@ -75,6 +77,13 @@ class StaticDecoder:
         self.graphs = p.device.type == "cuda" if graphs is None else graphs
         if self.graphs and p.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
+        # "triton": the split-K kernel of decode_attention, which reads only each slot's live
+        # positions (CUDA with Triton, the default there); "sdpa": a masked SDPA over the width
+        self.attention = attention or ("triton" if decode_attention.available(p.device) else "sdpa")
+        if self.attention not in ("triton", "sdpa"):
+            raise ValueError(f"attention must be 'triton' or 'sdpa', got {self.attention!r}")
+        if self.attention == "triton" and not decode_attention.available(p.device):
+            raise ValueError("the triton decode attention needs Triton and a CUDA device")
         self.vocab = int(runner.model.config.vocab_size)
         # zeros, not empty: a padding row attends to position 0 of a free slot, and NaN garbage there
         # would poison its (discarded) output and, through 0 * NaN, nothing else -- but keep it finite
@@ -251,17 +260,22 @@ class StaticDecoder:
         x = inner.embed_tokens(ids)
         cos, sin = r.rope_tables(x, pos)
         # the query heads sharing a KV head act as that head's queries: [b, kv_heads, group, dim]
-        visible = torch.arange(w, device=ids.device)[None, :] <= pos[:, None]
-        mask = torch.zeros(b, 1, 1, w, dtype=x.dtype, device=x.device).masked_fill_(
-            ~visible[:, None, None, :], float("-inf"))
+        triton = self.attention == "triton"
+        if not triton:
+            visible = torch.arange(w, device=ids.device)[None, :] <= pos[:, None]
+            mask = torch.zeros(b, 1, 1, w, dtype=x.dtype, device=x.device).masked_fill_(
+                ~visible[:, None, None, :], float("-inf"))
         for li, layer in enumerate(inner.layers):
             h = rms_norm(layer.input_layernorm, x)
             q, k, v = r.qkv(li, h, cos, sin)
             kc, vc = self.arena[li, 0], self.arena[li, 1]
             kc[rows, :, pos] = k
             vc[rows, :, pos] = v
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, hkv, hq // hkv, d), kc[:b, :, :w], vc[:b, :, :w], attn_mask=mask, scale=r.scaling)
+            q = q.reshape(b, hkv, hq // hkv, d)
+            if triton:  # reads positions 0..pos of each slot, whatever the width
+                o = decode_attention.decode_attention(q, kc[:b], vc[:b], pos, r.scaling, w)
+            else:
+                o = F.scaled_dot_product_attention(q, kc[:b, :, :w], vc[:b, :, :w], attn_mask=mask, scale=r.scaling)
             x = x + layer.self_attn.o_proj(o.reshape(b, hq * d))
             x = x + r.mlp(li, rms_norm(layer.post_attention_layernorm, x))
         self.logits[:b] = r.model.lm_head(rms_norm(inner.norm, x)).float()
