@@ -383,6 +383,7 @@ def test_choices_match_what_core_accepts():
     from clawrl.config import ClawrlConfig, _leaves
     from clawrl.demo.users import USERS
     from clawrl.envs import sandbox
+    from clawrl.engines import static_decode
     from clawrl.envs import source as env_source
     from clawrl.judges.hints import HINT_KINDS
     from clawrl.losses import AGGREGATION_MODES, GROUP_MODES
@@ -397,7 +398,7 @@ def test_choices_match_what_core_accepts():
         "train.aggregation": AGGREGATION_MODES, "judge.kind": judges.KINDS, "opd.hint_judge": HINT_KINDS,
         "opd.topk_kl": TOPK_KL, "logging.wandb.mode": metrics.WANDB_MODES, "demo.user": tuple(USERS),
         "sandbox.backend": sandbox.BACKEND_CHOICES, "env.sample_mode": env_source.SAMPLE_MODES,
-        "env.step_judge": env_source.STEP_JUDGES,
+        "env.step_judge": env_source.STEP_JUDGES, "engine.decode_attention": static_decode.ATTENTIONS,
     }
     choices = {key: f.metadata["choices"] for key, f in _leaves(ClawrlConfig) if f.metadata.get("choices")}
     for key, accepted in core.items():

@@ -1,17 +1,25 @@
 """The split-K Triton decode attention (skipped without a GPU and Triton): it equals a masked SDPA
 over each sequence's live positions, in fp32 exactly (no TF32) and in bf16 within rounding, for
-one and many splits, GQA groups and ragged lengths; and a StaticDecoder step through it equals
-one through SDPA, eager and replayed from a CUDA graph."""
+one and many splits, GQA groups and ragged lengths; a StaticDecoder step through it equals one
+through SDPA, eager and replayed from a CUDA graph; and the engine with
+``engine.decode_attention=triton`` decodes greedily the same batched as solo and as with SDPA."""
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from clawrl.config import EngineConfig
 from clawrl.engines import decode_attention
+from clawrl.engines.base import SamplingParams
+from clawrl.engines.loading import load_model
 from clawrl.engines.ragged import RaggedForward, Segment
 from clawrl.engines.static_decode import StaticDecoder
+from clawrl.engines.torch_engine import TorchEngine
+from engine_testing import make_model_dir
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and decode_attention.triton is not None),
                                 reason="needs a CUDA GPU and Triton")
@@ -79,3 +87,25 @@ def test_static_decoder_step_through_triton_equals_sdpa_fp32():
     for a, b, c in zip(*steps.values()):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
         torch.testing.assert_close(c, a, atol=1e-4, rtol=0)
+
+
+def test_engine_with_triton_attention_greedy_batched_equals_solo_and_sdpa_fp32(tmp_path):
+    lm = load_model(str(make_model_dir(tmp_path / "m", "qwen3")), device="cuda", dtype="float32")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, lm.model.config.vocab_size, (n,), generator=g).tolist() for n in (12, 30, 7, 19, 50)]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def go(attention):
+        eng = TorchEngine(lm, EngineConfig(prefill_chunk_tokens=32, max_batch_size=8, decode_attention=attention))
+        await eng.start()
+        try:
+            assert eng.decoder.attention == attention
+            solo = [await eng.generate(p, greedy) for p in prompts]
+            batched = await asyncio.gather(*(eng.generate(p, greedy) for p in prompts))
+            return [r.token_ids for r in solo], [r.token_ids for r in batched]
+        finally:
+            await eng.shutdown()
+
+    solo, batched = asyncio.run(go("triton"))
+    assert solo == batched
+    assert asyncio.run(go("sdpa"))[1] == batched

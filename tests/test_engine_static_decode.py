@@ -125,6 +125,14 @@ def test_admit_refuses_when_full(qwen):
         StaticDecoder(rf, 1, 16, graphs=True)
 
 
+def test_attention_choice_is_checked_and_falls_back_to_sdpa_off_gpu(qwen, caplog):
+    rf = RaggedForward(qwen.model)
+    with pytest.raises(ValueError, match="'triton' or 'sdpa'"):
+        StaticDecoder(rf, 1, 16, graphs=False, attention="flash")
+    dec = StaticDecoder(rf, 1, 16, graphs=False, attention="triton")  # this model is on the CPU
+    assert dec.attention == "sdpa" and "using sdpa" in caplog.text
+
+
 def test_engine_batched_greedy_equals_solo_and_logprobs_equal_score(qwen):
     ps = _prompts(6, qwen.model.config.vocab_size, seed=7)
     greedy = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)

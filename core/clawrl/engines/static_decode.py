@@ -32,6 +32,8 @@ from clawrl.engines.sampling import draw, draw_options, pack
 
 log = logging.getLogger(__name__)
 
+# What the decode step's attention can run through (engine.decode_attention).
+ATTENTIONS = ("sdpa", "triton")
 # Fraction of the free device memory the arena may take when no capacity is given.
 ARENA_MEMORY_FRACTION = 0.3
 
@@ -66,7 +68,7 @@ class StaticDecoder:
     """See the module docstring. ``owner`` objects (the engine's requests) are opaque here."""
 
     def __init__(self, runner: RaggedForward, slots: int, capacity: int, graphs: bool | None = None,
-                 attention: str | None = None):
+                 attention: str = "sdpa"):
         if slots < 1 or capacity < 1:
             raise ValueError(f"a static decoder needs slots >= 1 and capacity >= 1, got {slots} and {capacity}")
         self.runner = runner
@@ -77,13 +79,15 @@ class StaticDecoder:
         self.graphs = p.device.type == "cuda" if graphs is None else graphs
         if self.graphs and p.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        # "triton": the split-K kernel of decode_attention, which reads only each slot's live
-        # positions (CUDA with Triton, the default there); "sdpa": a masked SDPA over the width
-        self.attention = attention or ("triton" if decode_attention.available(p.device) else "sdpa")
-        if self.attention not in ("triton", "sdpa"):
-            raise ValueError(f"attention must be 'triton' or 'sdpa', got {self.attention!r}")
-        if self.attention == "triton" and not decode_attention.available(p.device):
-            raise ValueError("the triton decode attention needs Triton and a CUDA device")
+        # "sdpa": a masked SDPA over the width (bf16 logprobs bit-match HF's forward on the tested
+        # models); "triton": the split-K kernel of decode_attention, which reads only each slot's
+        # live positions (CUDA with Triton; elsewhere sdpa runs instead, with a warning)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be 'triton' or 'sdpa', got {attention!r}")
+        if attention == "triton" and not decode_attention.available(p.device):
+            log.warning("decode_attention=triton needs Triton and a CUDA device; using sdpa")
+            attention = "sdpa"
+        self.attention = attention
         self.vocab = int(runner.model.config.vocab_size)
         # zeros, not empty: a padding row attends to position 0 of a free slot, and NaN garbage there
         # would poison its (discarded) output and, through 0 * NaN, nothing else -- but keep it finite

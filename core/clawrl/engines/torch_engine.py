@@ -122,7 +122,8 @@ class TorchEngine(Engine):
         if static_decode and self.runner.ragged:
             cap = static_capacity or default_capacity(self.runner, engine_cfg.max_batch_size, self.max_context)
             if cap >= 2:
-                self.decoder = StaticDecoder(self.runner, engine_cfg.max_batch_size, cap)
+                self.decoder = StaticDecoder(self.runner, engine_cfg.max_batch_size, cap,
+                                             attention=engine_cfg.decode_attention)
         self.weight_version = 0
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Request] = collections.deque()
