@@ -57,6 +57,7 @@ from clawrl.embedded.build import build_tokenizer, default_model_path
 from clawrl.embedded.tokenizer import render_chat, save_tokenizer
 from clawrl.engines.base import SamplingParams
 from clawrl.engines.loading import LoadedModel
+from clawrl.engines.static_decode import ATTENTIONS
 from clawrl.engines.torch_engine import TorchEngine
 from clawrl.gateway.app import create_app
 from clawrl.gateway.protocol import parse_chat_request
@@ -147,7 +148,7 @@ async def run_decode(model, lm, args, streams, prompt_len, new, repeat) -> dict:
     with torch.no_grad():  # gpu_baselines' warm-up
         model.generate(torch.randint(0, vocab, (2, prompt_len), device=lm.device), max_new_tokens=8,
                        do_sample=True, min_new_tokens=8)
-    eng = TorchEngine(lm, EngineConfig(max_batch_size=max(streams)))
+    eng = TorchEngine(lm, EngineConfig(max_batch_size=max(streams), decode_attention=args.decode_attention))
     await eng.start()
     out = {}
     try:
@@ -387,13 +388,13 @@ async def run_serving(model, lm, args, streams, prompt_len, new, repeat) -> dict
     speak_tokenizer(model, min(len(tok), model.config.vocab_size))
     slm = LoadedModel(**{**vars(lm), "tokenizer": tok})
     cfg = compose([f"run_dir={work / 'run'}", f"engine.max_batch_size={max(streams)}",
-                   f"server.max_queue={4 * max(streams)}"])
+                   f"server.max_queue={4 * max(streams)}", f"engine.decode_attention={args.decode_attention}"])
     eng = TorchEngine(slm, cfg.engine)
     app = create_app(cfg, eng, SessionLinker(TurnStore(cfg.run_dir), cfg.sessions.idle_timeout_s))
     gw = app.state.gateway
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     serving = asyncio.create_task(server.serve())  # its lifespan starts the engine
-    out = {"loop": type(asyncio.get_running_loop()).__module__}
+    out = {"loop": type(asyncio.get_running_loop()).__module__, "decode_attention": args.decode_attention}
     try:
         while not server.started:
             if serving.done():
@@ -457,12 +458,15 @@ def commit() -> str:
 
 def table(results: dict) -> str:
     lines = []
-    if results.get("decode") or results.get("prefill"):
+    decodes = [k for k in results if k == "decode" or k.startswith("decode_")]
+    if decodes or results.get("prefill"):
         lines += ["| what | clawrl | HF baseline, same run | clawrl / HF |", "|---|---:|---:|---:|"]
-    for key, d in results.get("decode", {}).items():
-        if key.startswith("streams_"):
-            lines.append(f"| decode, {key[8:]} stream(s), tok/s (greedy: {d['clawrl_greedy_tok_s']:.0f}) "
-                         f"| {d['clawrl_tok_s']:.0f} | {d['hf_tok_s']:.0f} | {d['ratio']:.2f} |")
+    for part in decodes:
+        how = "" if part == "decode" else f", {part[7:]} attention"
+        for key, d in results[part].items():
+            if key.startswith("streams_"):
+                lines.append(f"| decode{how}, {key[8:]} stream(s), tok/s (greedy: {d['clawrl_greedy_tok_s']:.0f}) "
+                             f"| {d['clawrl_tok_s']:.0f} | {d['hf_tok_s']:.0f} | {d['ratio']:.2f} |")
     p = results.get("prefill", {}).get("openclaw")
     if p:
         lines.append(f"| cold prefill, OpenClaw request ({p['tokens']} tokens), ms | {p['clawrl_ms']:.0f} "
@@ -492,6 +496,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
     ap.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the embedded model's)")
     ap.add_argument("--out", default=None, help="JSON file to merge the figures into")
+    ap.add_argument("--decode-attention", choices=ATTENTIONS, default="sdpa",
+                    help="engine.decode_attention; decode figures of another than the default (sdpa) go under "
+                         "decode_<name>")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.shape or ("qwen3-1.7b" if device == "cuda" else "tiny")
@@ -515,8 +522,9 @@ def main(argv=None) -> int:
         dec = asyncio.run(run_decode(model, lm, args, streams, prompt_len, new, args.repeat))
         engine = dec.pop("engine")
         for d in dec.values():
-            d.update(stamp, shape=shape, prompt_tokens=prompt_len, new_tokens=new)
-        results["decode"] = {**dec, "static_decode": engine}
+            d.update(stamp, shape=shape, prompt_tokens=prompt_len, new_tokens=new, decode_attention=args.decode_attention)
+        key = "decode" if args.decode_attention == "sdpa" else f"decode_{args.decode_attention}"
+        results[key] = {**dec, "static_decode": engine}
     if args.part in ("prefill", "all"):
         others = torch.randint(0, model.config.vocab_size, (8, prompt_len)).tolist()
         pre = asyncio.run(run_prefill(model, lm, args, limit, args.repeat, others, 4 * new))

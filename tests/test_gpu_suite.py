@@ -59,6 +59,11 @@ def test_gpu_suite_decode_part_leaves_prefill_alone(tmp_path):
     assert suite.main(["--part", "decode", "--shape", "tiny", "--repeat", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["prefill"] == earlier and "streams_4" in res["decode"] and "serving" not in res
+    # another decode attention goes under its own key, beside the default's figures
+    assert suite.main(["--part", "decode", "--shape", "tiny", "--repeat", "1", "--decode-attention", "triton",
+                       "--out", str(out)]) == 0
+    res2 = json.loads(out.read_text())
+    assert res2["decode"] == res["decode"] and res2["decode_triton"]["streams_1"]["decode_attention"] == "triton"
 
 
 def test_serving_conversations_differ_and_have_the_asked_length():
@@ -69,3 +74,16 @@ def test_serving_conversations_differ_and_have_the_asked_length():
     assert len(set(texts)) == 5 and all(c[0]["role"] == "user" for c in convs)
     lengths = [len(tok.encode(t, add_special_tokens=False)) for t in texts]
     assert all(200 < n < 400 for n in lengths), lengths
+
+
+def test_gpu_rollouts_runs_tiny_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_rollouts", SUITE.with_name("gpu_rollouts.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    assert mod.main(["--seconds", "0.5", "--groups-in-flight", "1", "--group-size", "2", "--out", str(out),
+                     "sandbox.backend=subprocess", "sandbox.allow_unisolated=true"]) == 0
+    r = json.loads(out.read_text())["rollouts"]["toolcall"]
+    assert r["episodes"] >= 2 and r["episodes"] % 2 == 0 and r["episodes_per_min"] > 0
+    assert r["counts"]["ok"] == r["episodes"] and r["turns_per_episode"] >= 1  # no episode failed
+    assert r["command"].startswith("python benchmarks/gpu_rollouts.py --seconds 0.5")
