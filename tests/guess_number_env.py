@@ -6,6 +6,7 @@ turns run out. The reward is dense enough to tell two rollouts apart: 1 for the 
 """
 from __future__ import annotations
 
+import asyncio
 import re
 
 from clawrl.envs import Env, Observation, StepOutcome, Task
@@ -36,3 +37,11 @@ class GuessNumber(Env):
         self.reward = -abs(guess - self.target) / 100
         hint = "higher" if guess < self.target else "lower"
         return StepOutcome(Observation([{"role": "user", "content": f"No, {hint}."}]), reward=self.reward)
+
+
+class SlowGuessNumber(GuessNumber):
+    """Each answer takes a second, so a test can kill the process while episodes are running."""
+
+    async def step(self, action: str) -> StepOutcome:
+        await asyncio.sleep(1.0)
+        return await super().step(action)

@@ -74,7 +74,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
@@ -210,10 +210,10 @@ class RolloutBuffer:
             for turn_id, turn_type, trainable, reason, close_reason, prompt_blob, request_key in rows:
                 skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
                 c.execute(
-                    "INSERT INTO samples (turn_id, group_id, request_key, state, skip_reason, created_at, done_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (turn_id, _group_id(prompt_blob, turn_id), request_key, "skipped" if skip else "pending", skip,
-                     now, now if skip else None),
+                    "INSERT INTO samples (source, source_id, turn_id, group_id, request_key, state, skip_reason, "
+                    "created_at, done_at) VALUES ('turn', ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (turn_id, turn_id, _group_id(prompt_blob, turn_id), request_key, "skipped" if skip else "pending",
+                     skip, now, now if skip else None),
                 )
                 if skip:
                     skipped.append((turn_id, skip, close_reason))
@@ -244,12 +244,26 @@ class RolloutBuffer:
             (scan_from,),
         ).fetchone()[0] == 1
 
-    def skipped_between(self, start: float, end: float) -> list[tuple[int, str]]:
-        """(turn, reason) of samples skipped in the time window (start, end], by turn."""
+    def skipped_between(self, start: float, end: float) -> list[tuple[str, str]]:
+        """(origin, reason) of samples skipped in the time window (start, end], in sample order; the
+        origin as ``Sample.origin`` words it ("turn 12", "episode 3")."""
         rows = self.store.connection().execute(
-            "SELECT turn_id, skip_reason FROM samples WHERE state = 'skipped' AND done_at > ? AND done_at <= ? "
-            "ORDER BY turn_id", (start, end))
-        return [(t, why) for t, why in rows]
+            "SELECT source, source_id, skip_reason FROM samples WHERE state = 'skipped' AND done_at > ? "
+            "AND done_at <= ? ORDER BY sample_id", (start, end))
+        return [(f"{source} {sid}", why) for source, sid, why in rows]
+
+    def add_ready(self, c, group_id: str, entries: Sequence[tuple[str, int, float, float]], now: float) -> list[int]:
+        """Inside the caller's transaction ``c``: samples that are born ready, as an environment's are
+        (its verdict is the reward, its group's advantages already computed: ``clawrl.episode_store``).
+        ``entries``: (source, source_id, reward, advantage). Returns the new sample ids; a source that
+        already has its sample is refused by the table (UNIQUE), so nothing trains twice."""
+        ids = []
+        for source, source_id, reward, advantage in entries:
+            cur = c.execute("INSERT INTO samples (source, source_id, group_id, state, judge_kind, verdict, reward, "
+                            "advantage, created_at, judged_at) VALUES (?, ?, ?, 'ready', 'env', NULL, ?, ?, ?, ?)",
+                            (source, source_id, group_id, reward, advantage, now, now))
+            ids.append(cur.lastrowid)
+        return ids
 
     def judged_count(self) -> int:
         """Samples that have at least one stored vote."""
@@ -494,57 +508,73 @@ class RolloutBuffer:
 
         Samples relabelled since they were judged are skipped (``excluded``, ``side_turn``); stale
         ones (oldest token more than ``train.max_weight_lag`` versions behind ``current_version``)
-        are skipped as ``stale`` under ``stale_policy=drop``. Neither counts towards ``n``.
+        are skipped as ``stale`` under ``stale_policy=drop``. Neither counts towards ``n``. An
+        environment's samples come as whole groups: the first one taken brings every ready sample of
+        its group along, even past ``n``, so a step never trains half a group's comparison.
         """
         if n < 1:
             return []
         now = time.time()
         out: list[Sample] = []
-        skipped: list[tuple[int, int, str]] = []
+        skipped: list[tuple[int, str, str]] = []
         with self.store.transaction() as c:
             lag_of = lag_counter(dict(c.execute("SELECT version, source FROM weight_aliases").fetchall()),
                                  current_version)
-            last = 0
+            payloads = _Payloads(c)
+            last, groups_taken = 0, set()
             while len(out) < n:
-                rows = c.execute(
-                    "SELECT s.sample_id, s.turn_id, s.group_id, s.reward, s.advantage, s.judge_kind, t.turn_type, "
-                    "t.trainable, t.untrainable_reason, t.close_reason, t.prompt_ids, t.response_ids, t.logprobs, "
-                    "t.weight_versions, t.temperature, s.rl_signal, s.opd_state FROM samples s JOIN turns t ON t.turn_id = s.turn_id "
-                    "WHERE s.state = 'ready' AND s.sample_id > ? ORDER BY s.sample_id LIMIT ?",
-                    (last, n - len(out)),
-                ).fetchall()
+                rows = c.execute(f"SELECT {_TAKE_COLUMNS} FROM samples WHERE state = 'ready' AND sample_id > ? "
+                                 "ORDER BY sample_id LIMIT ?", (last, n - len(out))).fetchall()
                 if not rows:
                     break
-                for (sid, turn_id, group_id, reward, adv, kind, turn_type, trainable, reason, close_reason,
-                     p_blob, r_blob, lp_blob, v_blob, temperature, rl_signal, opd_state) in rows:
-                    last = sid
-                    skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
-                    versions = unpack(v_blob, "q") or []
-                    lag = max(map(lag_of, set(versions)), default=0)
-                    if skip is None and lag > self.train.max_weight_lag and self.train.stale_policy == "drop":
-                        skip = "stale"
-                    if skip:
-                        c.execute("UPDATE samples SET state = 'skipped', skip_reason = ?, weight_lag = ?, done_at = ? "
-                                  "WHERE sample_id = ?", (skip, lag, now, sid))
-                        skipped.append((sid, turn_id, skip if skip != "stale" else f"stale (lag {lag})"))
+                for row in rows:
+                    last = row[0]
+                    source, group_id = row[1], row[4]
+                    if source == "turn":
+                        batch = [row]
+                    elif group_id in groups_taken:
                         continue
-                    c.execute("UPDATE samples SET state = 'consumed', weight_lag = ?, consumed_version = ?, "
-                              "consumed_at = ? WHERE sample_id = ?", (lag, current_version, now, sid))
-                    out.append(Sample(
-                        sample_id=sid, turn_id=turn_id, group_id=group_id, prompt_ids=unpack(p_blob, "i"),
-                        response_ids=unpack(r_blob, "i"), rollout_logprobs=unpack(lp_blob, "d"),
-                        weight_versions=versions, reward=float(reward), advantage=float(adv),
-                        rl_signal=bool(rl_signal),
-                        extra={"weight_lag": lag, "judge_kind": kind, "temperature": temperature,
-                               "opd_state": opd_state},
-                    ))
-        for sid, turn_id, why in skipped:
-            log.info("sample %d (turn %d) skipped at take time: %s", sid, turn_id, why)
+                    else:  # the whole group, in sample order
+                        groups_taken.add(group_id)
+                        batch = c.execute(f"SELECT {_TAKE_COLUMNS} FROM samples WHERE state = 'ready' AND "
+                                          "group_id = ? ORDER BY sample_id", (group_id,)).fetchall()
+                    for sample_row in batch:
+                        sample, why = self._take_one(c, sample_row, payloads, lag_of, current_version, now)
+                        if sample is None:
+                            skipped.append((sample_row[0], f"{sample_row[1]} {sample_row[2]}", why))
+                        else:
+                            out.append(sample)
+        for sid, origin, why in skipped:
+            log.info("sample %d (%s) skipped at take time: %s", sid, origin, why)
         if out:
             stale = sum(s.extra["weight_lag"] > self.train.max_weight_lag for s in out)
             log.info("took %d sample(s) for training at weight version %d%s", len(out), current_version,
                      f" ({stale} beyond max_weight_lag, kept for importance weighting)" if stale else "")
         return out
+
+    def _take_one(self, c, row: tuple, payloads: "_Payloads", lag_of, current_version: int,
+                  now: float) -> tuple[Optional[Sample], str]:
+        """Consume one ready sample (or skip it: relabelled turn, stale); (sample or None, why skipped)."""
+        sid, source, source_id, turn_id, group_id, reward, adv, kind, rl_signal, opd_state = row
+        p = payloads.of(source, source_id)
+        skip = p.skip
+        lag = max(map(lag_of, set(p.versions)), default=0)
+        if skip is None and lag > self.train.max_weight_lag and self.train.stale_policy == "drop":
+            skip = "stale"
+        if skip:
+            c.execute("UPDATE samples SET state = 'skipped', skip_reason = ?, weight_lag = ?, done_at = ? "
+                      "WHERE sample_id = ?", (skip, lag, now, sid))
+            return None, skip if skip != "stale" else f"stale (lag {lag})"
+        c.execute("UPDATE samples SET state = 'consumed', weight_lag = ?, consumed_version = ?, consumed_at = ? "
+                  "WHERE sample_id = ?", (lag, current_version, now, sid))
+        return Sample(
+            sample_id=sid, turn_id=turn_id or 0, group_id=group_id, prompt_ids=p.prompt_ids,
+            response_ids=p.response_ids, rollout_logprobs=p.logprobs, weight_versions=p.versions,
+            reward=float(reward), advantage=float(adv), loss_mask=p.loss_mask, rl_signal=bool(rl_signal),
+            extra={"weight_lag": lag, "judge_kind": kind, "temperature": p.temperature, "opd_state": opd_state,
+                   **p.extra},
+            source=source, source_id=source_id,
+        ), ""
 
     def mark_trained(self, sample_ids: Sequence[int], train_step: int, weight_version: int) -> None:
         """Consumed samples were trained in ``train_step``, producing ``weight_version``. All or none."""
@@ -639,7 +669,7 @@ class RolloutBuffer:
         return out
 
     def get_sample(self, sample_id: int) -> dict:
-        cols = ("sample_id", "turn_id", "group_id", "state", "skip_reason", "judge_kind", "verdict", "reward",
+        cols = ("sample_id", "source", "source_id", "turn_id", "group_id", "state", "skip_reason", "judge_kind", "verdict", "reward",
                 "advantage", "weight_lag", "consumed_version", "train_step", "trained_version", "requeues",
                 "rl_signal", "opd_state")
         row = self.store.connection().execute(f"SELECT {', '.join(cols)} FROM samples WHERE sample_id = ?",
@@ -659,3 +689,72 @@ class RolloutBuffer:
                                           (sample_id,))
         return [dict(zip(cols, r)) for r in rows]
 
+
+
+_TAKE_COLUMNS = ("sample_id, source, source_id, turn_id, group_id, reward, advantage, judge_kind, rl_signal, "
+                 "opd_state")
+
+
+@dataclass
+class _Payload:
+    """What a sample trains on, read from its source row."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    temperature: float
+    loss_mask: Optional[list[int]] = None  # None: every response token trains
+    skip: Optional[str] = None  # why it cannot train after all (a turn relabelled since it was judged)
+    extra: dict = field(default_factory=dict)
+
+
+class _Payloads:
+    """Reads sample payloads inside one transaction, each episode once however many of its steps
+    are taken."""
+
+    def __init__(self, c):
+        self.c = c
+        self._episodes: dict[int, tuple] = {}
+
+    def of(self, source: str, source_id: int) -> _Payload:
+        if source == "turn":
+            return self._turn(source_id)
+        if source == "episode":
+            ep = self._episode(source_id)
+            return _Payload(ep[0], ep[1], ep[3], ep[4], ep[5], loss_mask=ep[2],
+                            extra={"task_id": ep[6], "episode_id": source_id})
+        if source == "step":
+            row = self.c.execute("SELECT episode_id, step_index, span_start, span_end, step_score FROM episode_steps "
+                                 "WHERE step_id = ?", (source_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"sample source step {source_id} is not in the store")
+            episode_id, index, start, end, score = row
+            ep = self._episode(episode_id)
+            extra = {"task_id": ep[6], "episode_id": episode_id, "step_index": index}
+            if score is not None:
+                extra["step_score"] = score
+            return _Payload(ep[0] + ep[1][:start], ep[1][start:end], ep[3][start:end], ep[4][start:end], ep[5],
+                            extra=extra)
+        raise KeyError(f"unknown sample source {source!r}")
+
+    def _turn(self, turn_id: int) -> _Payload:
+        row = self.c.execute("SELECT turn_type, trainable, untrainable_reason, close_reason, prompt_ids, "
+                             "response_ids, logprobs, weight_versions, temperature FROM turns WHERE turn_id = ?",
+                             (turn_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"sample source turn {turn_id} is not in the store")
+        turn_type, trainable, reason, close_reason, p_blob, r_blob, lp_blob, v_blob, temperature = row
+        return _Payload(unpack(p_blob, "i"), unpack(r_blob, "i"), unpack(lp_blob, "d"), unpack(v_blob, "q") or [],
+                        temperature, skip=turn_skip_reason(turn_type, trainable, reason, close_reason))
+
+    def _episode(self, episode_id: int) -> tuple:
+        if episode_id not in self._episodes:
+            row = self.c.execute("SELECT prompt_ids, response_ids, loss_mask, logprobs, weight_versions, temperature, "
+                                 "task_id FROM episodes WHERE episode_id = ?", (episode_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"sample source episode {episode_id} is not in the store")
+            p, r, m, lp, v, temperature, task_id = row
+            self._episodes[episode_id] = (unpack(p, "i"), unpack(r, "i"), unpack(m, "b"), unpack(lp, "d"),
+                                          unpack(v, "q"), temperature, task_id)
+        return self._episodes[episode_id]

@@ -304,6 +304,17 @@ class EnvConfig:
                              "env.sample_mode=per_turn).", choices=("none", "prm"))
     step_score_weight: float = option(0.5, "With env.step_judge=prm: a turn's advantage is its episode's plus this "
                                       "times its step score (-1/0/+1).", ge=0)
+    groups_in_flight: int = option(2, "Groups rolled out at once by clawrl serve (each runs env.group_size "
+                                   "episodes concurrently).", ge=1)
+    rollout_ahead: int = option(2, "Rollouts pause while this many train batches (train.batch_size samples "
+                                "each) are ready and untrained, which bounds how stale a trained sample is.", ge=1)
+    max_train_steps: Optional[int] = option(None, "Stop after this many train steps: checkpoint, evaluate, and exit "
+                                            "0. null: run until stopped.", ge=1)
+    eval_every: int = option(0, "Evaluate the served weights on env.eval_split every N train steps (and after "
+                             "the last one with env.max_train_steps); 0: never during training.", ge=0)
+    eval_split: str = option("test", "The held-out split of the periodic evaluation.", nonempty=True)
+    eval_limit: Optional[int] = option(None, "Evaluate on the first N tasks of env.eval_split only (the "
+                                       "periodic evaluation is greedy, one play per task). null: all.", ge=1)
 
 
 @dataclass(frozen=True)

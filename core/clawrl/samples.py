@@ -1,6 +1,7 @@
 """The training sample: what the rollout buffer hands the trainer.
 
-One sample is one assistant turn as it was served (token-in, token-out): the exact prompt ids,
+One sample is one assistant turn as it was served, or an environment's episode or one of its model
+turns (token-in, token-out): the exact prompt ids,
 the sampled response ids, the logprob of each response token under the policy that sampled it,
 and the weight version of each token. The buffer fills in the reward and the advantage, and a
 method (``clawrl.methods``) its own typed signal, such as OPD's teacher scores; the trainer
@@ -24,10 +25,15 @@ class TeacherSignal:
     weight_version: int = 0  # the teacher's weight version when it scored
 
 
+# Where a sample comes from: a served chat turn, a whole episode (env.sample_mode=trajectory) or one
+# model turn of an episode (per_turn); ``Sample.source_id`` is the turn's, episode's or step's id.
+TURN, EPISODE, STEP = "turn", "episode", "step"
+
+
 @dataclass
 class Sample:
     sample_id: int
-    turn_id: int
+    turn_id: int  # the served turn (source turn); 0 for environment samples
     group_id: str  # samples of one prompt share it (GRPO groups); a live-chat turn is a group of one
     prompt_ids: list[int]
     response_ids: list[int]
@@ -44,6 +50,13 @@ class Sample:
     teacher: TeacherSignal | None = None
     # bookkeeping the buffer adds (weight_lag, judge_kind, temperature, opd_state); trainers read temperature
     extra: dict = field(default_factory=dict)
+    source: str = TURN
+    source_id: int = 0  # the id of the source row; 0 for a sample that was never stored
+
+    @property
+    def origin(self) -> str:
+        """Where it came from, for logs: "turn 12", "episode 3", "step 40"."""
+        return f"{self.source} {self.source_id or self.turn_id}"
 
     @property
     def oldest_version(self) -> int:

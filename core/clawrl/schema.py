@@ -1,7 +1,7 @@
 """The one owner of the run store's SQLite schema and its migrations.
 
 Every table in ``run_dir/clawrl.sqlite`` is declared here, as a ``TableSet``: the turn store's own
-tables, the rollout buffer's and OPD's (and, later, the environments' episode tables). Each set has
+tables, the rollout buffer's, OPD's and the environments' episodes. Each set has
 its own version, so the modules that use the tables migrate apart from each other: a store opened by
 ``clawrl sessions`` holds the turns' tables; the buffer and the OPD method bring their sets up to date
 when they open the store (``TurnStore.register``). A set only ever grows: index i of ``migrations``
@@ -141,6 +141,105 @@ BUFFER = TableSet("rollout buffer", "buffer_schema_version", (
         version INTEGER PRIMARY KEY,         -- the new version number
         source  INTEGER NOT NULL,            -- the version whose weights it serves again
         at      REAL NOT NULL
+    );
+    """,
+    # version 4: a sample points to its source as (source, source_id): a served turn, an episode
+    # (env.sample_mode=trajectory) or one step of an episode (per_turn). SQLite cannot drop NOT NULL
+    # from turn_id, so the table is rebuilt; votes keep referring to it (their check is deferred to
+    # the commit, by which time every sample is back under its id).
+    """
+    PRAGMA defer_foreign_keys = ON;
+    CREATE TEMP TABLE samples_v3 AS SELECT * FROM samples;
+    DROP TABLE samples;
+    CREATE TABLE samples (
+        sample_id       INTEGER PRIMARY KEY AUTOINCREMENT,
+        source          TEXT NOT NULL CHECK (source IN ('turn', 'episode', 'step')),
+        source_id       INTEGER NOT NULL,    -- turns.turn_id, episodes.episode_id or episode_steps.step_id
+        turn_id         INTEGER UNIQUE REFERENCES turns(turn_id),  -- source = turn only
+        group_id        TEXT NOT NULL,       -- GRPO group: a prompt's hash (turns), a task and round (episodes)
+        request_key     TEXT,                -- the turn's request key (its sibling choices share it)
+        state           TEXT NOT NULL CHECK (state IN ('pending','judged','ready','consumed','trained','skipped')),
+        skip_reason     TEXT,
+        judge_kind      TEXT,
+        verdict         INTEGER,
+        reward          REAL,
+        advantage       REAL,
+        weight_lag      INTEGER,
+        consumed_version INTEGER,
+        train_step      INTEGER,
+        trained_version INTEGER,
+        requeues        INTEGER NOT NULL DEFAULT 0,
+        created_at      REAL NOT NULL,
+        judged_at       REAL,
+        consumed_at     REAL,
+        done_at         REAL,
+        rl_signal       INTEGER NOT NULL DEFAULT 1,
+        opd_state       TEXT,
+        UNIQUE (source, source_id)
+    );
+    INSERT INTO samples (sample_id, source, source_id, turn_id, group_id, request_key, state, skip_reason,
+        judge_kind, verdict, reward, advantage, weight_lag, consumed_version, train_step, trained_version, requeues,
+        created_at, judged_at, consumed_at, done_at, rl_signal, opd_state)
+        SELECT sample_id, 'turn', turn_id, turn_id, group_id, request_key, state, skip_reason, judge_kind, verdict,
+        reward, advantage, weight_lag, consumed_version, train_step, trained_version, requeues, created_at,
+        judged_at, consumed_at, done_at, rl_signal, opd_state FROM samples_v3;
+    DROP TABLE samples_v3;
+    CREATE INDEX samples_by_state ON samples (state, sample_id);
+    CREATE INDEX samples_by_group ON samples (group_id, state);
+    """,
+))
+
+EPISODES = TableSet("episodes", "episode_schema_version", (
+    # version 1
+    """
+    CREATE TABLE env_groups (
+        group_id    TEXT PRIMARY KEY,        -- hash of (task, round): clawrl.envs.source.group_id
+        position    INTEGER NOT NULL UNIQUE, -- the rollout order: task = position % tasks, round = position // tasks
+        task_id     TEXT NOT NULL,
+        round       INTEGER NOT NULL,
+        size        INTEGER NOT NULL,        -- env.group_size when it started
+        state       TEXT NOT NULL CHECK (state IN ('rolling', 'complete')),
+        outcome     TEXT,                    -- kept, filtered_equal, too_few_healthy, no_samples
+        created_at  REAL NOT NULL,
+        done_at     REAL
+    );
+    CREATE INDEX env_groups_by_state ON env_groups (state, position);
+    CREATE TABLE episodes (
+        episode_id      INTEGER PRIMARY KEY AUTOINCREMENT,
+        group_id        TEXT NOT NULL REFERENCES env_groups(group_id),
+        member          INTEGER NOT NULL,    -- which of the group's rollouts, 0 .. size - 1
+        attempt         INTEGER NOT NULL,    -- 1, then 2.. when an aborted attempt is rolled out again
+        task_id         TEXT NOT NULL,
+        seed            INTEGER NOT NULL,
+        temperature     REAL NOT NULL,       -- of the rollout's logprobs
+        state           TEXT NOT NULL CHECK (state IN ('running', 'finished', 'failed', 'aborted')),
+        reason          TEXT,                -- why it ended (done, a limit, failed) or was aborted
+        error           TEXT,                -- how the environment failed
+        reward          REAL,
+        done            INTEGER,
+        truncated       INTEGER,
+        turns           INTEGER,
+        malformed       INTEGER,
+        prompt_ids      BLOB,
+        response_ids    BLOB,
+        loss_mask       BLOB,
+        logprobs        BLOB,
+        weight_versions BLOB,
+        info            TEXT,                -- the environment's last info (JSON)
+        transcript      TEXT,                -- the conversation as text (JSON), for people
+        started_at      REAL NOT NULL,
+        finished_at     REAL,
+        UNIQUE (group_id, member, attempt)
+    );
+    CREATE INDEX episodes_by_state ON episodes (state, episode_id);
+    CREATE TABLE episode_steps (
+        step_id     INTEGER PRIMARY KEY AUTOINCREMENT,
+        episode_id  INTEGER NOT NULL REFERENCES episodes(episode_id),
+        step_index  INTEGER NOT NULL,        -- the model turn, from 0
+        span_start  INTEGER NOT NULL,        -- its sampled ids are response_ids[span_start:span_end], and
+        span_end    INTEGER NOT NULL,        -- its context prompt_ids + response_ids[:span_start]
+        step_score  INTEGER,                 -- the step judge's -1/0/+1 (env.step_judge=prm), or NULL
+        UNIQUE (episode_id, step_index)
     );
     """,
 ))

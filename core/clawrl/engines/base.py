@@ -123,6 +123,9 @@ class ContextLengthExceeded(EngineError):
         )
 
 
+CHAT_PRIORITY, ROLLOUT_PRIORITY = 0, 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one response.
@@ -141,6 +144,9 @@ class SamplingParams:
     seed: int | None = None  # a per-request generator: same seed, same prompt, same tokens
     top_logprobs: int = 0  # alternatives to return per generated token
     ignore_eos: bool = False
+    # lower goes first when the engine chooses what joins its batch: live chat (CHAT_PRIORITY) before
+    # environment rollouts and evaluations (ROLLOUT_PRIORITY), so training never slows a user's reply
+    priority: int = 0
 
     @property
     def logprob_temperature(self) -> float:

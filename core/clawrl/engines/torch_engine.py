@@ -35,7 +35,7 @@ import torch
 
 from clawrl.config import EngineConfig
 from clawrl.engines.base import (
-    AbortingStream, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams, ScoreResult,
+    CHAT_PRIORITY, AbortingStream, Engine, EngineError, GenerateResult, ModelInfo, SamplingParams, ScoreResult,
     TokenChunk, check_generate_request, check_score_request,
 )
 from clawrl.engines.hf_fallback import HFForward
@@ -82,6 +82,10 @@ class _Request:
     @property
     def is_score(self) -> bool:
         return self.target is not None
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority if self.params is not None else CHAT_PRIORITY
 
     @property
     def prefilling(self) -> bool:
@@ -344,8 +348,11 @@ class TorchEngine(Engine):
         log.info("weights updated to version %d (%d tensors)", version, len(state))
 
     def _admit(self) -> None:
+        """Waiting requests join the batch, live chat before rollouts (``SamplingParams.priority``),
+        first come first served within a priority."""
         while self._waiting and len(self._running) < self.engine_cfg.max_batch_size:
-            req = self._waiting.popleft()
+            req = min(self._waiting, key=lambda r: r.priority)
+            self._waiting.remove(req)
             try:
                 self._prepare(req)
             except Exception as e:  # e.g. out of memory for its KV: this request fails, not the engine
@@ -453,7 +460,8 @@ class TorchEngine(Engine):
             # larger chunks (on a GPU a 2048-token chunk is host-bound; one 15k-token OpenClaw prompt
             # takes 1.4x HF's single forward in 2048-token chunks and 1.0x in one)
             budget *= SOLO_PREFILL_FACTOR
-        for req in candidates:
+        # prefill budget goes to live chat first: a rollout's long prompt never delays a user's first token
+        for req in sorted(candidates, key=lambda r: r.priority):
             if budget <= 0 or (segments and not self.runner.ragged):
                 break
             if not req.prefilling:

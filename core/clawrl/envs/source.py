@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from clawrl.config import ClawrlConfig
-from clawrl.engines.base import Engine, SamplingParams
+from clawrl.engines.base import ROLLOUT_PRIORITY, Engine, SamplingParams
 from clawrl.envs import env_class
 from clawrl.envs.base import Env, EnvError, Task
 from clawrl.envs.rollout import Episode, failed_episode, run_episode
@@ -101,7 +101,7 @@ class EnvSource:
         self._groups += 1
         task = self.tasks[index]
         seed = (self.params.seed or 0) + self.group_size * self._groups
-        results = await asyncio.gather(*(self._episode(task, seed + k) for k in range(self.group_size)),
+        results = await asyncio.gather(*(self.episode(task, seed + k) for k in range(self.group_size)),
                                        return_exceptions=True)
         raised = next((r for r in results if isinstance(r, BaseException)), None)
         if raised is not None:  # the engine failed, not an environment: the run cannot go on
@@ -115,7 +115,9 @@ class EnvSource:
                  len(samples), self.sample_mode, dict(sorted(self.counters.items())))
         return episodes, samples
 
-    async def _episode(self, task: Task, seed: int) -> Episode:
+    async def episode(self, task: Task, seed: int) -> Episode:
+        """One rollout of ``task`` sampled with ``seed``; an environment that cannot be made or fails
+        fails the episode (``Episode.failed``), an engine failure raises."""
         try:
             env = self.new_env()
         except Exception as e:  # an environment that cannot even be made fails its episode, not the run
@@ -125,27 +127,14 @@ class EnvSource:
                                  timeout_s=self.episode_timeout_s, step_judge=self.step_judge)
 
     def _group_samples(self, gid: str, episodes: list[Episode]) -> list[Sample]:
-        healthy = [e for e in episodes if not e.failed]
         for e in episodes:
             if e.failed:
                 log.warning("group %s: an episode of task %s failed and is left out: %s", gid, e.task.task_id,
                             e.error)
-        if self.group_size > 1 and len(healthy) < 2:
-            self.counters["groups_too_few_healthy"] += 1
-            log.warning("group %s yields no samples: %d of %d episodes are healthy, and a group needs 2 to compare",
-                        gid, len(healthy), len(episodes))
-            return []
-        if not healthy:
-            return []
-        rewards = torch.tensor([e.reward for e in healthy], dtype=torch.float64)
-        if self.group_size > 1 and bool((rewards == rewards[0]).all()):
-            self.counters["groups_filtered_equal"] += 1
-            log.info("group %s yields no samples: every reward is %g, so no rollout was better than another",
-                     gid, float(rewards[0]))
-            return []
-        advantages = group_advantages(rewards, torch.zeros(len(healthy), dtype=torch.long), self.group_advantage)
-        self.counters["groups_kept"] += 1
-        return [s for e, a in zip(healthy, advantages.tolist()) for s in self._samples(gid, e, float(a))]
+        outcome, advantages = score_group([None if e.failed else e.reward for e in episodes], self.group_size,
+                                          self.group_advantage, gid)
+        self.counters[f"groups_{outcome}"] += 1
+        return [s for e, a in zip(episodes, advantages) if a is not None for s in self._samples(gid, e, a)]
 
     def _samples(self, gid: str, e: Episode, advantage: float) -> list[Sample]:
         extra = {"temperature": self.params.logprob_temperature, "task_id": e.task.task_id}
@@ -180,11 +169,38 @@ class EnvSource:
                 c[f"truncated:{e.reason}"] += 1
 
 
+# How a group ended (``score_group``): its samples train, or why it yields none.
+KEPT, FILTERED_EQUAL, TOO_FEW_HEALTHY, NONE_HEALTHY = "kept", "filtered_equal", "too_few_healthy", "none_healthy"
+
+
+def score_group(rewards: list[Optional[float]], group_size: int, mode: str,
+                gid: str = "") -> tuple[str, list[Optional[float]]]:
+    """The advantage of each rollout of a group from its reward (None: the episode failed and is
+    left out), and how the group ended: ``kept``, or no samples at all because fewer than two
+    rollouts are healthy (``too_few_healthy``; a group of one needs one) or every reward is equal
+    (``filtered_equal``). A pure function, so a group completed across a restart, from episodes
+    stored by two processes, is scored exactly as one rolled out in one go."""
+    healthy = [r for r in rewards if r is not None]
+    if group_size > 1 and len(healthy) < 2:
+        log.warning("group %s yields no samples: %d of %d episodes are healthy, and a group needs 2 to compare",
+                    gid, len(healthy), len(rewards))
+        return TOO_FEW_HEALTHY, [None] * len(rewards)
+    if not healthy:
+        return NONE_HEALTHY, [None] * len(rewards)
+    values = torch.tensor(healthy, dtype=torch.float64)
+    if group_size > 1 and bool((values == values[0]).all()):
+        log.info("group %s yields no samples: every reward is %g, so no rollout was better than another",
+                 gid, float(values[0]))
+        return FILTERED_EQUAL, [None] * len(rewards)
+    advantages = iter(group_advantages(values, torch.zeros(len(healthy), dtype=torch.long), mode).tolist())
+    return KEPT, [None if r is None else float(next(advantages)) for r in rewards]
+
+
 def make_env_source(cfg: ClawrlConfig, engine: Engine) -> EnvSource:
     """The source ``env.*`` describes, rolling out with ``engine`` (the served policy)."""
     cls = env_class(cfg.env.name)
     params = SamplingParams(max_new_tokens=cfg.env.max_tokens_per_turn, temperature=cfg.env.temperature,
-                            seed=cfg.seed)
+                            seed=cfg.seed, priority=ROLLOUT_PRIORITY)
     # the policy judges its own steps: a separate judge engine is the orchestrator's to make
     step_judge = PRMJudge(engine, engine.tokenizer, votes=cfg.judge.votes, seed=cfg.seed) \
         if cfg.env.step_judge == PRM else None

@@ -29,7 +29,7 @@ from clawrl.checkpoints import CheckpointError, CheckpointStore, CorruptCheckpoi
 from clawrl.config import ClawrlConfig
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
-from clawrl.engines.base import Engine, EngineError, SamplingParams
+from clawrl.engines.base import ROLLOUT_PRIORITY, Engine, EngineError, SamplingParams
 from clawrl.envs import CHAT, ENVS, Env, EnvError, env_class
 from clawrl.envs.rollout import Episode, run_episode
 from clawrl.envs.scripted import success_of
@@ -74,6 +74,7 @@ class EpisodeScore:
     success: bool = False
     turns: int = 0
     truncated: bool = False
+    malformed: int = 0  # replies the environment could not read as an action
     failed: bool = False
     error: Optional[str] = None
 
@@ -93,6 +94,8 @@ class EvalResult:
     failed: int
     truncated_rate: float
     mean_turns: float
+    well_formed_rate: float = 0.0  # episodes in which every reply was a well-formed action
+    success_when_well_formed: float = 0.0  # the success rate among those episodes
     weight_versions: list[int] = field(default_factory=list)
     scores: list[EpisodeScore] = field(default_factory=list)
 
@@ -100,7 +103,8 @@ class EvalResult:
         """What ``clawrl env eval`` prints: the four figures first, then the counts behind them."""
         return {"success_rate": self.success_rate, "mean_reward": self.mean_reward, "episodes": self.episodes,
                 "weight_version": self.weight_version, "failed": self.failed,
-                "truncated_rate": self.truncated_rate, "mean_turns": self.mean_turns}
+                "truncated_rate": self.truncated_rate, "mean_turns": self.mean_turns,
+                "well_formed_rate": self.well_formed_rate, "success_when_well_formed": self.success_when_well_formed}
 
 
 def default_concurrency(cfg: ClawrlConfig) -> int:
@@ -140,7 +144,7 @@ async def evaluate(cfg: ClawrlConfig, engine: Engine, records: list[TaskRecord],
     async def play(index: int, record: TaskRecord, k: int) -> EpisodeScore:
         score = EpisodeScore(task_id=record.task.task_id, play=k)
         params = SamplingParams(max_new_tokens=cfg.env.max_tokens_per_turn, temperature=temperature,
-                                seed=episode_seed(cfg.seed, index, n, k))
+                                seed=episode_seed(cfg.seed, index, n, k), priority=ROLLOUT_PRIORITY)
         async with gate:
             try:
                 episode = await model_episode(cfg, engine, record, params)
@@ -149,6 +153,7 @@ async def evaluate(cfg: ClawrlConfig, engine: Engine, records: list[TaskRecord],
             else:
                 score.failed, score.error = episode.failed, episode.error
                 score.reward, score.turns, score.truncated = episode.reward, episode.turns, episode.truncated
+                score.malformed = episode.malformed
                 score.success = not score.failed and success_of(episode.reward, episode.info)
                 versions.update(episode.weight_versions)
             finally:
@@ -161,11 +166,14 @@ async def evaluate(cfg: ClawrlConfig, engine: Engine, records: list[TaskRecord],
         bar.close()
     ran = [s for s in scores if not s.failed]
     count = len(ran) or 1  # rates of nothing are 0, and the failures say why
+    well_formed = [s for s in ran if not s.malformed]
     return EvalResult(success_rate=sum(s.success for s in ran) / count,
                       mean_reward=sum(s.reward for s in ran) / count, episodes=len(scores),
                       weight_version=start_version, failed=len(scores) - len(ran),
                       truncated_rate=sum(s.truncated for s in ran) / count,
                       mean_turns=sum(s.turns for s in ran) / count,
+                      well_formed_rate=len(well_formed) / count,
+                      success_when_well_formed=sum(s.success for s in well_formed) / (len(well_formed) or 1),
                       weight_versions=sorted(versions), scores=scores)
 
 

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
 
@@ -40,12 +40,18 @@ from clawrl.buffer import RolloutBuffer
 from clawrl.checkpoints import CheckpointError, CheckpointStore
 from clawrl.config import ClawrlConfig
 from clawrl.engines.base import Engine
+from clawrl.envs import CHAT, EnvError, env_class
+from clawrl.envs.task_formats import TaskRecord
+from clawrl.envs.tasks import load_tasks
+from clawrl.episode_store import EpisodeStore
 from clawrl.errors import CliError
 from clawrl.gateway.protocol import ApiError
 from clawrl.judges import JudgeError
 from clawrl.methods.base import SignalWorkers
 from clawrl.methods.registry import check_method, load_method
 from clawrl.metrics import MetricsLogger
+from clawrl.orchestration.evaluation import evaluate
+from clawrl.orchestration.rollouts import RolloutWorker
 from clawrl.samples import Sample
 from clawrl.store import TurnStore
 from clawrl.trainers import TrainerError
@@ -62,10 +68,19 @@ class Learner:
     ``resume()`` act between train steps (a step in flight finishes and its weights are served).
     """
 
-    def __init__(self, cfg: ClawrlConfig, engine: Engine, store: TurnStore, poll_s: float = 0.25):
+    def __init__(self, cfg: ClawrlConfig, engine: Engine, store: TurnStore, poll_s: float = 0.25,
+                 on_done: Optional[Callable[[], None]] = None):
         self.cfg, self.engine, self.store, self.poll_s = cfg, engine, store, poll_s
         self.method = load_method(cfg)
+        self.env_mode = cfg.env.name != CHAT
+        if self.env_mode and self.method.readiness.teacher:
+            raise ValueError(f"method={cfg.method} needs a teacher's hint for each served turn; environment rollouts "
+                             "train on the environment's verdict: use method=rl with env.name")
         self.buffer = RolloutBuffer(store, cfg.train, self.method.readiness)
+        self.rollouts: Optional[RolloutWorker] = None  # env.name set: the sample source, built by prepare()
+        self.eval_records: list[TaskRecord] = []
+        self.on_done = on_done  # env.max_train_steps reached and saved: the server may exit
+        self.last_eval: Optional[dict] = None
         self.signals = SignalWorkers()  # the method's, built by prepare()
         self.checkpoints = CheckpointStore(store.run_dir, cfg.train)
         self.metrics = MetricsLogger(store.run_dir, cfg.logging, run_config=dataclasses.asdict(cfg))
@@ -104,7 +119,26 @@ class Learner:
             served = self.checkpoints.high_water()
             self._resume_step, self._resume_version, self._resume_source = 0, served + 1 if served else 0, 0
         self._saved_step = self._resume_step
-        self.signals = self.method.prepare(self.engine, self.store, self.buffer)
+        if self.env_mode:
+            # the environment gives every episode its verdict: no judge runs, live chats are served and
+            # recorded but train only in chat runs
+            self.rollouts = RolloutWorker(self.cfg, self.engine, self.buffer, EpisodeStore(self.store, self.buffer),
+                                          self._wake.set)
+            if self.cfg.env.eval_every or self.cfg.env.max_train_steps:
+                self.eval_records = self._eval_records()
+        else:
+            self.signals = self.method.prepare(self.engine, self.store, self.buffer)
+
+    def _eval_records(self) -> list[TaskRecord]:
+        """The held-out tasks of the periodic evaluation (``env.eval_split``, ``env.eval_limit``); none
+        when the task set has no such split (said once, at start)."""
+        env = self.cfg.env
+        try:
+            tasks = load_tasks(env.tasks, env.eval_split, env_class(env.name))
+        except EnvError as e:
+            log.warning("no periodic held-out evaluation: %s", e)
+            return []
+        return [TaskRecord(t, env.eval_split, env.name) for t in tasks][:env.eval_limit]
 
     async def start(self) -> None:
         """Serve the resumed weights, requeue lost updates, start the signal workers and training."""
@@ -123,11 +157,20 @@ class Learner:
         for worker in self.signals.workers:
             worker.start()
         self._skip_mark = time.time()
+        if self.rollouts is not None:
+            if self._done():
+                self.rollouts.halted = True
+            else:
+                self.rollouts.start()
         self._task = asyncio.get_running_loop().create_task(self._train_loop(), name="clawrl-train-loop")
-        log.info("learning: method=%s, batches of %d, lr %g; train step %d, serving weight version %d%s",
-                 self.cfg.method, self.cfg.train.batch_size, self.cfg.train.lr,
-                 self.trainer.step, self.sync.version,
+        log.info("learning: method=%s from %s, batches of %d, lr %g; train step %d, serving weight version %d%s",
+                 self.cfg.method, f"env {self.cfg.env.name}" if self.env_mode else "live chat",
+                 self.cfg.train.batch_size, self.cfg.train.lr, self.trainer.step, self.sync.version,
                  f"; {requeued} sample(s) whose update was lost are ready again" if requeued else "")
+        if self._done():
+            log.info("env.max_train_steps=%d already reached (train step %d): nothing to train",
+                     self.cfg.env.max_train_steps, self.train_step)
+            self._finish_soon()
 
     async def stop(self, step_timeout_s: float = 300.0) -> None:
         """Stop the signal workers and training. A step in flight finishes first (weights pushed,
@@ -137,6 +180,8 @@ class Learner:
         are requeued on the next start."""
         self._stopping = True
         self._wake.set()
+        if self.rollouts is not None:
+            await self.rollouts.stop()
         finished = True
         if self._task is not None:
             try:
@@ -190,8 +235,47 @@ class Learner:
 
     # ---------------------------------------------------------------- the loop
 
+    def _done(self) -> bool:
+        """env.max_train_steps steps are trained."""
+        cap = self.cfg.env.max_train_steps
+        return cap is not None and self.train_step >= cap
+
+    def _finish_soon(self) -> None:
+        """After the last step: save, evaluate, then tell the server it may exit."""
+        asyncio.get_running_loop().create_task(self._finish(), name="clawrl-finish")
+
+    async def _finish(self) -> None:
+        if self.rollouts is not None:
+            await self.rollouts.stop()
+        if self.trainer.step == self.train_step and self.train_step > self._saved_step:
+            await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
+            self._saved_step = self.train_step
+            log.info("env.max_train_steps=%d reached: saved train step %d (weight version %d)",
+                     self.cfg.env.max_train_steps, self.train_step, self.sync.version)
+        if self.eval_records and (self.last_eval is None or self.last_eval["train_step"] != self.train_step):
+            await self.held_out_eval()
+        if self.on_done is not None:
+            self.on_done()
+
+    async def held_out_eval(self) -> dict:
+        """Greedy success on the held-out split with the weights served now (``evaluate``, the same
+        function as ``clawrl env eval``), into the metrics as ``eval/*`` of the current step."""
+        started = time.monotonic()
+        result = await evaluate(self.cfg, self.engine, self.eval_records, n=1, temperature=0.0)
+        figures = {f"eval/{k}": v for k, v in result.as_json().items()}
+        figures["eval/seconds"] = round(time.monotonic() - started, 1)
+        self.metrics.log_step(self.train_step, figures)
+        self.last_eval = {"train_step": self.train_step, **result.as_json()}
+        log.info("held-out evaluation at train step %d (weight version %d, %d %s tasks): success %.3f, mean reward "
+                 "%.3f, well-formed %.3f, truncated %.3f, %.1f turns", self.train_step, result.weight_version,
+                 result.episodes, self.cfg.env.eval_split, result.success_rate, result.mean_reward,
+                 result.well_formed_rate, result.truncated_rate, result.mean_turns)
+        return self.last_eval
+
     async def _train_loop(self) -> None:
-        while not self._stopping:
+        if self.eval_records and self.cfg.env.eval_every and self.train_step == 0:
+            await self._guarded_eval()  # the curve starts at the base weights
+        while not self._stopping and not self._done():
             self._wake.clear()
             try:
                 if self.paused_reason is None:
@@ -205,6 +289,14 @@ class Learner:
                 log.exception("training loop: step failed")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
+
+    async def _guarded_eval(self) -> None:
+        try:
+            await self.held_out_eval()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # an evaluation that fails costs its figures, never the training run
+            log.exception("held-out evaluation failed")
 
     async def train_once(self) -> bool:
         """Take one batch and train on it; True if the weights changed (a new version is served)."""
@@ -220,7 +312,7 @@ class Learner:
         except Exception as e:
             await asyncio.to_thread(self.buffer.mark_skipped, [s.sample_id for s in samples],
                                     f"trainer_error: {type(e).__name__}")
-            log.error("train step failed on turns %s; skipped them: %s", _turns(samples), e)
+            log.error("train step failed on %s; skipped them: %s", _origins(samples), e)
             return False
         finally:
             self.stepping = False
@@ -229,7 +321,7 @@ class Learner:
             self.last_step_skip = result.skipped_reason
             await asyncio.to_thread(self.buffer.mark_skipped, [s.sample_id for s in samples],
                                     f"train_step_{result.skipped_reason}")
-            log.warning("train step did not update (%s); turns %s skipped%s", result.skipped_reason, _turns(samples),
+            log.warning("train step did not update (%s); %s skipped%s", result.skipped_reason, _origins(samples),
                         f"; training paused: {self.trainer.paused_reason}" if self.trainer.paused_reason else "")
             self.metrics.log_step(self.trainer.step, {**result.metrics, "skipped": result.skipped_reason})
             return False
@@ -243,13 +335,18 @@ class Learner:
             self._saved_step = step
         skipped = await asyncio.to_thread(self._skips_since_last_step)
         self.train_step = step
-        self.metrics.log_step(step, {**result.metrics, "weight_version": new_version})
+        rollout = self.rollouts.window() if self.rollouts is not None else {}
+        self.metrics.log_step(step, {**result.metrics, **rollout, "weight_version": new_version})
         self.metrics.log_version(new_version, {"weight_sync_ms": sync_ms, "train_step": step,
                                                "samples_trained": len(samples), "samples_skipped": len(skipped),
                                                "reward_mean": result.metrics.get("reward_mean")})
-        log.info("train step %d -> weight version %d: loss %.4f; trained turns %s; skipped since the last step: %s",
-                 step, new_version, self.last_loss or 0.0, _turns(samples),
-                 ", ".join(f"turn {t} ({why})" for t, why in skipped) or "none")
+        log.info("train step %d -> weight version %d: loss %.4f; trained %s; skipped since the last step: %s",
+                 step, new_version, self.last_loss or 0.0, _origins(samples),
+                 ", ".join(f"{origin} ({why})" for origin, why in skipped) or "none")
+        if self._done():
+            self._finish_soon()
+        elif self.eval_records and self.cfg.env.eval_every and step % self.cfg.env.eval_every == 0:
+            await self._guarded_eval()
         return True
 
     def notify(self) -> None:
@@ -258,8 +355,8 @@ class Learner:
         for worker in self.signals.workers:
             worker.notify()
 
-    def _skips_since_last_step(self) -> list[tuple[int, str]]:
-        """(turn, reason) of samples skipped since the previous step's log line."""
+    def _skips_since_last_step(self) -> list[tuple[str, str]]:
+        """(origin, reason) of samples skipped since the previous step's log line."""
         mark, self._skip_mark = self._skip_mark, time.time()
         return self.buffer.skipped_between(mark, self._skip_mark)
 
@@ -285,8 +382,9 @@ class Learner:
         """The training section of ``/admin/status`` (synchronous: reads the store)."""
         counts = self.buffer.counts()
         judged = self.buffer.judged_count()
+        env = {"env": self.rollouts.status(), "last_eval": self.last_eval} if self.rollouts is not None else {}
         return {
-            "enabled": True, "method": self.cfg.method, **self.method.status(),
+            "enabled": True, "method": self.cfg.method, **self.method.status(), **env,
             "paused": self.paused_reason is not None, "paused_reason": self.paused_reason,
             "train_step": self.train_step,
             "weight_version": self.sync.version, "last_loss": self.last_loss, "last_step_at": self.last_step_at,
@@ -299,9 +397,13 @@ class Learner:
         }
 
 
-def _turns(samples: list[Sample]) -> str:
-    rewards = Counter(f"{s.reward:+.0f}" for s in samples)
-    return (", ".join(str(s.turn_id) for s in samples)
+def _origins(samples: list[Sample]) -> str:
+    """What a batch trained, for the step's log line: "turns 3, 4 (rewards +1 x2)"."""
+    rewards = Counter(f"{s.reward:+.2g}" for s in samples)
+    by_source: dict[str, list[str]] = {}
+    for s in samples:
+        by_source.setdefault(s.source, []).append(str(s.source_id or s.turn_id))
+    return ("; ".join(f"{source}s {', '.join(ids)}" for source, ids in by_source.items())
             + " (rewards " + ", ".join(f"{k} x{v}" for k, v in sorted(rewards.items())) + ")")
 
 
@@ -319,7 +421,8 @@ class _NotifyAfterChat:
                 self.learner.notify()
 
 
-def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: TurnStore) -> Optional[Learner]:
+def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: TurnStore,
+                    on_done: Optional[Callable[[], None]] = None) -> Optional[Learner]:
     """Run a learner beside the gateway ``app``: started after the engine in the app's lifespan,
     stopped before it, with the admin routes for pause/resume and a training section in
     ``/admin/status``. ``train.enabled=false``: serve and record only (returns None)."""
@@ -328,9 +431,9 @@ def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: Turn
     learner = None
     if cfg.train.enabled:
         try:
-            learner = Learner(cfg, engine, store)
+            learner = Learner(cfg, engine, store, on_done=on_done)
             learner.prepare()
-        except (CheckpointError, JudgeError, TrainerError, ValueError) as e:
+        except (CheckpointError, EnvError, JudgeError, TrainerError, ValueError) as e:
             raise CliError(str(e).splitlines()[0]) from None
     app.state.learner = learner
 

@@ -9,11 +9,14 @@ The run directory is locked for the server's life (``clawrl.run_lock``): one ser
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
+from pathlib import Path
+from typing import Optional
 
 import uvicorn
 
@@ -23,7 +26,7 @@ from clawrl.config import compose
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.engines.base import EngineError
-from clawrl.envs import CHAT, env_class
+from clawrl.envs import CHAT, EnvError, env_class
 from clawrl.errors import CliError
 from clawrl.gateway.app import create_app
 from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
@@ -76,6 +79,18 @@ def provider_snippet(base_url: str, model: str, context_window: int, max_tokens:
     }}}}
 
 
+def tasks_beside_config(cfg, config_file: Optional[str], overrides: list[str]):
+    """A relative ``env.tasks`` from a method directory's config.yaml names a path in that directory
+    (``tasks: .`` in toolcall-rl/config.yaml is toolcall-rl/ wherever run.sh is started from); one given
+    on the command line is relative to the working directory, as any path argument is."""
+    tasks = cfg.env.tasks
+    if tasks is None or config_file is None or Path(tasks).expanduser().is_absolute() \
+            or any(o.lstrip("+~").startswith("env.tasks=") for o in overrides):
+        return cfg
+    resolved = (Path(config_file).expanduser().resolve().parent / tasks).resolve()
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, tasks=str(resolved)))
+
+
 def _is_driver_node(cfg) -> bool:
     """NODE_RANK 0 (or no multi-node launch) runs the gateway, engine and learner."""
     return read_node_env(cfg).is_driver
@@ -95,12 +110,13 @@ def _serve_trainer_ranks_only(cfg) -> int:
 
 
 def serve_cli(args) -> int:
-    cfg = compose(args.overrides, args.config)
+    cfg = tasks_beside_config(compose(args.overrides, args.config), args.config, args.overrides)
     check_method(cfg.method)
     if cfg.env.name != CHAT:
-        env_class(cfg.env.name)  # a bad name or path first, in its own words
-        raise CliError(f"env.name={cfg.env.name}: clawrl serve trains from live chat only so far; environment "
-                       "rollouts are not stored yet and run through clawrl.envs.source (docs/architecture.md)")
+        try:
+            env_class(cfg.env.name)  # a bad name or path first, in its own words
+        except EnvError as e:
+            raise CliError(str(e).splitlines()[0]) from None
     setup_logging(cfg.logging.level)  # clawrl at logging.level, libraries (httpx, uvicorn.access, ...) at WARNING
     if cfg.trainer.backend == "megatron" and cfg.train.enabled and not _is_driver_node(cfg):
         return _serve_trainer_ranks_only(resolve_model(cfg))
@@ -133,7 +149,15 @@ def _serve_on(sock: socket.socket, cfg) -> None:
         raise CliError(str(e)) from None
     linker = SessionLinker(store, idle_timeout_s=cfg.sessions.idle_timeout_s)
     app = create_app(cfg, engine, linker)
-    attach_learning(app, cfg, engine, store)  # judging and training beside serving, per cfg.method
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+    done: list[bool] = []
+
+    def trained_enough() -> None:  # env.max_train_steps: saved and evaluated, so the server stops
+        done.append(True)
+        server.should_exit = True
+
+    # judging (or environment rollouts) and training beside serving, per cfg.method and cfg.env
+    attach_learning(app, cfg, engine, store, on_done=trained_enough)
     info = engine.model_info()
     host, port = sock.getsockname()[:2]
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
@@ -144,7 +168,6 @@ def _serve_on(sock: socket.socket, cfg) -> None:
     print(f"clawrl: serving {info.name} at {base_url} (turns stored in {store.path})", flush=True)
     print("OpenClaw provider (paste into openclaw.json):", flush=True)
     print(json.dumps(snippet, indent=2), flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal into the
     # handler it found; this one turns that into a normal exit (status 0) after cleanup.
     stopped: list[int] = []
@@ -157,4 +180,7 @@ def _serve_on(sock: socket.socket, cfg) -> None:
         store.close()
     if stopped:
         print(f"clawrl: stopped by {signal.Signals(stopped[0]).name}; every acknowledged turn is in {store.path}",
+              flush=True)
+    elif done:
+        print(f"clawrl: env.max_train_steps={cfg.env.max_train_steps} train steps done and saved in {cfg.run_dir}",
               flush=True)
