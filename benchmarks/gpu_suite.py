@@ -365,6 +365,36 @@ async def serve_direct(eng: TorchEngine, prompts: list[list[int]], params: list[
     return serving_summary(rows, wall, time.process_time() - cpu, lag.mean_ms())
 
 
+async def serve_generate(eng: TorchEngine, prompts: list[list[int]], params: list[SamplingParams]) -> float:
+    """The same prompts through ``engine.generate`` (the whole result once, no per-token chunks):
+    tok/s, to tell the cost of streaming tokens through the event loop from the gateway's."""
+    await eng.flush_cache()
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(eng.generate(ids, p) for ids, p in zip(prompts, params)))
+    return sum(len(x.token_ids) for x in results) / (time.perf_counter() - t0)
+
+
+def request_costs(gw, tok, reqs, prompts) -> dict:
+    """What the gateway does for each request before its engine stream opens, timed alone (idle
+    server, ms per request): rendering the chat template to ids on the event loop, and linking
+    the turn into its session (a SQLite transaction, in a worker thread); and storing the finished
+    turn. Under load these run one after another on the same GIL as the engine thread."""
+    t = time.perf_counter()
+    for r in reqs:
+        render_prompt(tok, r, gw.max_context, False)
+    render = (time.perf_counter() - t) / len(reqs)
+    begin = record = 0.0
+    for r, ids in zip(reqs, prompts):
+        t = time.perf_counter()
+        plan = gw.linker.begin([{"role": "user", "content": r.messages[0]["content"] + " (cost probe)"}], None)
+        t1 = time.perf_counter()
+        gw.linker.record(plan, prompt_ids=ids, response_ids=ids[:256], logprobs=[0.0] * len(ids[:256]),
+                         weight_versions=[0] * len(ids[:256]), response_text="x" * 1000, status="complete")
+        begin, record = begin + t1 - t, record + time.perf_counter() - t1
+    return {"render_ms": round(1000 * render, 2), "link_begin_ms": round(1000 * begin / len(reqs), 2),
+            "link_record_ms": round(1000 * record / len(reqs), 2)}
+
+
 async def serve_http(eng: TorchEngine, url: str, model_name: str, convs_file: Path, new: int) -> dict:
     """The same chats as streamed chat completions from the client process."""
     await eng.flush_cache()
@@ -411,10 +441,11 @@ async def run_serving(model, lm, args, streams, prompt_len, new, repeat) -> dict
             prompts = [render_prompt(tok, r, gw.max_context, False).ids for r in reqs]
             params = [gw.sampling(r, len(ids)) for r, ids in zip(reqs, prompts)]  # as the gateway makes them
             await serve_direct(eng, prompts, params)  # warm-up: graph captures for these shapes
-            direct, http = [], []
+            direct, http, generate = [], [], []
             for _ in range(repeat):
                 direct.append(await serve_direct(eng, prompts, params))
                 http.append(await serve_http(eng, url, gw.model_name, convs_file, new))
+                generate.append(await serve_generate(eng, prompts, params))
             for d in direct + http:
                 if d["tokens"] != n * new:
                     raise RuntimeError(f"{d['tokens']} tokens came back, not {n} x {new}")
@@ -429,14 +460,18 @@ async def run_serving(model, lm, args, streams, prompt_len, new, repeat) -> dict
                 "engine_latency_p50_ms": round(d["latency_p50_ms"], 1),
                 "gateway_server_cpu_s": round(h["server_cpu_s"], 2), "engine_server_cpu_s": round(d["server_cpu_s"], 2),
                 "gateway_loop_lag_ms": round(h["loop_lag_ms"], 2), "engine_loop_lag_ms": round(d["loop_lag_ms"], 2),
+                "engine_generate_tok_s": round(statistics.median(generate), 1),
                 "prompt_tokens_mean": round(statistics.fmean(len(p) for p in prompts), 1), "new_tokens": new,
+                "per_request_alone": request_costs(gw, tok, reqs, prompts),
                 "runs": {"gateway_tok_s": [round(x["tok_s"], 1) for x in http],
-                         "engine_tok_s": [round(x["tok_s"], 1) for x in direct]},
+                         "engine_tok_s": [round(x["tok_s"], 1) for x in direct],
+                         "engine_generate_tok_s": [round(x, 1) for x in generate]},
             }
             print(f"serving {n:>3} chats: gateway {h['tok_s']:9.1f} tok/s, TTFT p50 {h['ttft_p50_ms']:7.1f} ms; "
                   f"engine direct {d['tok_s']:9.1f} tok/s, TTFT p50 {d['ttft_p50_ms']:7.1f} ms; ratio "
                   f"{h['tok_s'] / d['tok_s']:5.2f}; loop lag {h['loop_lag_ms']:.2f} vs {d['loop_lag_ms']:.2f} ms, "
-                  f"server CPU {h['server_cpu_s']:.1f} vs {d['server_cpu_s']:.1f} s  "
+                  f"server CPU {h['server_cpu_s']:.1f} vs {d['server_cpu_s']:.1f} s; engine.generate "
+                  f"{statistics.median(generate):.1f} tok/s; alone per request {out[f'chats_{n}']['per_request_alone']}  "
                   f"runs {out[f'chats_{n}']['runs']}", flush=True)
     finally:
         server.should_exit = True

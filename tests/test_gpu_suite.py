@@ -43,7 +43,8 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
         assert s["ratio"] == pytest.approx(s["gateway_tok_s"] / s["engine_tok_s"], rel=1e-2)
         assert 0 < s["gateway_ttft_p50_ms"] <= s["gateway_latency_p50_ms"]
         assert 0 < s["engine_ttft_p50_ms"] <= s["engine_latency_p50_ms"]
-        assert s["prompt_tokens_mean"] > 20 and s["new_tokens"] == 8
+        assert s["prompt_tokens_mean"] > 20 and s["new_tokens"] == 8 and s["engine_generate_tok_s"] > 0
+        assert all(s["per_request_alone"][k] > 0 for k in ("render_ms", "link_begin_ms", "link_record_ms"))
         assert s["commit"] and s["command"].startswith("python benchmarks/gpu_suite.py --shape tiny")
     printed = capsys.readouterr().out
     assert "| decode, 1 stream(s)" in printed and "| cold prefill, OpenClaw request" in printed
