@@ -4,10 +4,14 @@
 #
 #   bash terminal-rl/run.sh [key=value ...]
 #
-# Training from environment rollouts arrives with the agent-loop issue: until then `clawrl serve`
-# refuses env.name=terminal in one line. What works today: the tasks themselves, through
-#   clawrl env list terminal-rl            clawrl env check terminal-rl
-#   clawrl env run terminal-rl --task ID --policy oracle|nop|model
+# `clawrl serve` with env.name=terminal: rollouts of env.group_size episodes per task, trained by the same
+# learner, buffer, trainer, checkpoints and weight swap as the chat methods, while the OpenAI endpoint
+# keeps serving the policy being trained. Useful keys:
+#   run_dir=D                where episodes, samples, checkpoints and metrics.jsonl go (resumes from D)
+#   env.max_train_steps=N    stop after N train steps: save, evaluate on env.eval_split, exit 0
+#   env.eval_every=N         held-out evaluation every N steps (into metrics.jsonl and WandB as eval/*)
+# Then `clawrl env eval terminal-rl --split test --run-dir D` scores the newest checkpoint.
+# The tasks alone: clawrl env list|check terminal-rl; clawrl env run terminal-rl --task ID --policy oracle|nop|model
 #
 # Several nodes (trainer.backend=megatron; docs/multi_node.md): run this same script on every node.
 # These pass through to `clawrl serve`, which decides what this node runs: node 0 serves the endpoint

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import Counter
 from typing import Callable, Optional
 
@@ -48,6 +49,9 @@ class RolloutWorker:
                  wake: Callable[[], None], source: Optional[EnvSource] = None, poll_s: float = 0.25):
         self.cfg, self.buffer, self.episodes, self.wake, self.poll_s = cfg, buffer, episodes, wake, poll_s
         self.source = source or make_env_source(cfg, engine)
+        # task files are often sorted by kind: rolled out in a seeded shuffle (the same after a restart),
+        # consecutive groups are different kinds of task
+        random.Random(cfg.seed).shuffle(self.source.tasks)
         self.task_ids = [t.task_id for t in self.source.tasks]
         self.ahead = cfg.env.rollout_ahead * cfg.train.batch_size
         self.counters: Counter[str] = Counter()
