@@ -92,6 +92,7 @@ def test_every_line_left_out_of_ci_is_in_the_readme():
 
 SESSION = "readme-session"
 _SERVER = re.compile(r"bash openclaw-[\w-]+/run\.sh\b(?!.*--help-config)")  # serves until stopped
+_ENV_RUN = re.compile(r"bash (terminal|toolcall)-rl/run\.sh\b")  # trains env.max_train_steps steps, then exits
 
 
 def _code(line: str) -> str:
@@ -106,6 +107,8 @@ def _as_run_here(line: str, port: int) -> str:
     code = code.replace("SESSION_ID", SESSION)
     if _SERVER.match(code) or code.startswith("clawrl chat "):
         code += f" server.port={port}"
+    elif _ENV_RUN.match(code):  # its own endpoint, beside the quick-start server
+        code += f" server.port={free_port()}"
     return code
 
 
@@ -153,6 +156,13 @@ def _check(line: str, out: subprocess.CompletedProcess, url: str, work: Path) ->
     elif line.startswith("clawrl env run"):
         report = json.loads(out.stdout.splitlines()[-1])
         assert (report["reward"], report["success"]) == (1.0, True), report
+    elif _ENV_RUN.match(line):
+        run_dir = work / re.search(r"run_dir=(\S+)", line).group(1)
+        steps = int(re.search(r"env\.max_train_steps=(\d+)", line).group(1))
+        assert f"env.max_train_steps={steps} train steps done" in out.stdout, out.stdout[-2000:]
+        trained = [json.loads(m) for m in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert max(m["step"] for m in trained if "rollout/episodes" in m) == steps
+        assert any("eval/success_rate" in m for m in trained)  # the held-out evaluation after the last step
     elif line.startswith("clawrl demo"):
         assert "table in" in out.stdout, out.stdout[-2000:]
     else:
@@ -212,7 +222,7 @@ def test_every_readme_command_runs_or_is_listed_as_not_runnable_in_ci(tmp_path, 
     assert servers and servers[0] == "bash openclaw-combine/run.sh", servers
     work = tmp_path / "work"  # the user's directory: runs/default and turns.jsonl land here
     work.mkdir()
-    for recipe in ROOT.glob("openclaw-*"):
+    for recipe in sorted({*ROOT.glob("openclaw-*"), *ROOT.glob("*-rl")}):
         (work / recipe.name).symlink_to(recipe)
     port = free_port()
     url = f"http://127.0.0.1:{port}"

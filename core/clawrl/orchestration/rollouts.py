@@ -39,6 +39,8 @@ STOPPED = "stopped: the server shut down mid-episode"
 # After an engine failure the worker waits this long before the next group (the engine may be
 # swapping weights or restarting); the group stays rolling and is resumed.
 _RETRY_S = 2.0
+# Groups in a row without samples before the worker says that nothing can train.
+_UNLEARNABLE_WARN = 25
 
 
 class RolloutWorker:
@@ -59,6 +61,7 @@ class RolloutWorker:
         self.halted = False  # no new groups (env.max_train_steps reached)
         self._task: Optional[asyncio.Task] = None
         self._groups: dict[str, asyncio.Task] = {}
+        self._unlearnable = 0  # groups in a row that yielded no samples
 
     def start(self) -> None:
         aborted = self.episodes.abort_running()
@@ -173,6 +176,12 @@ class RolloutWorker:
                                  self.cfg.env.step_score_weight)
         ids = self.episodes.complete_group(plan.group_id, outcome, entries)
         self.counters[f"groups_{outcome}"] += 1
+        self._unlearnable = 0 if ids else self._unlearnable + 1
+        if self._unlearnable and self._unlearnable % _UNLEARNABLE_WARN == 0:
+            log.warning("the last %d groups yielded no samples (every reward equal, or too few healthy episodes): "
+                        "nothing trains until a group's rollouts differ; a policy that never solves a task, or "
+                        "always does, needs easier or harder tasks, a larger env.group_size or a higher "
+                        "env.temperature", self._unlearnable)
         self.counters["samples"] += len(ids)
         log.info("group %s complete (%s): rewards %s -> %d sample(s)", plan.group_id, outcome,
                  [None if m.failed else round(m.reward, 3) for m in members], len(ids))
