@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(args.recipe, runs, out.with_suffix(".png"))
     print("\n| seed | held-out success before | after | gain | well-formed rate after | success when "
-          f"well-formed | truncated after | minutes (eval+train+eval) | episodes/min |")
+          "well-formed | truncated after | minutes (eval+train+eval) | episodes/min |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         a = r["after"]
