@@ -283,6 +283,24 @@ def test_guess_number_trains_one_grpo_step_saves_and_evaluates(tiny_model_dir, t
         store.close()
 
 
+def test_per_turn_samples_train_through_the_learner(tiny_model_dir, tmp_path):
+    learner, store = learner_run(tiny_model_dir, tmp_path, f"env.name={GUESS}", "env.group_size=2",
+                                 "train.batch_size=2", "env.max_turns=3", "env.max_tokens_per_turn=6",
+                                 "env.sample_mode=per_turn")
+    try:
+        assert learner.train_step == 1
+        trained = trained_samples(store)
+        assert {t[0] for t in trained} == {"step"} and len(trained) >= 2
+        # each trained step belongs to a stored episode, and the episode's other steps came with it
+        steps = store.connection().execute(
+            "SELECT st.episode_id, COUNT(*) FROM samples s JOIN episode_steps st ON st.step_id = s.source_id "
+            "WHERE s.state = 'trained' GROUP BY st.episode_id").fetchall()
+        turns = dict(store.connection().execute("SELECT episode_id, turns FROM episodes").fetchall())
+        assert all(n == turns[e] for e, n in steps)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("recipe, overrides", [
     ("toolcall-rl", ["env.max_turns=2", "env.max_tokens_per_turn=24"]),
     ("terminal-rl", ["env.max_turns=1", "env.max_tokens_per_turn=16", "env.episode_timeout_s=120"]),

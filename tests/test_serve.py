@@ -221,7 +221,8 @@ def episode_rows(run_dir):
 def test_kill_9_mid_rollout_aborts_the_episodes_and_the_restart_rolls_their_group_again(tiny_model_dir, tmp_path):
     model = tiny_model_dir  # the embedded model guesses numbers, so its groups are rarely all equal
     run_dir = tmp_path / "run"
-    first = serve_env(run_dir, model, free_port())
+    port = free_port()
+    first = serve_env(run_dir, model, port)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:  # wait until one episode finished and others run
@@ -233,6 +234,11 @@ def test_kill_9_mid_rollout_aborts_the_episodes_and_the_restart_rolls_their_grou
             time.sleep(0.2)
         else:
             raise AssertionError(f"no episode ran: {rows}")
+        # the OpenAI endpoint keeps serving the policy while it is rolled out and trained
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "What is 2+3?"}],
+                             "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
