@@ -511,13 +511,15 @@ def table(results: dict) -> str:
             lines.append(f"| cold prefill while {p['decoding_streams']} streams decode (chunked), ms "
                          f"| {p['cold_beside_decoding_ms']:.0f} | {p['hf_ms']:.0f} "
                          f"| {p['cold_beside_decoding_ms'] / p['hf_ms']:.2f} |")
-    srv = {k: d for k, d in results.get("serving", {}).items() if k.startswith("chats_")}
-    if srv:
+    serving = [k for k in results if k == "serving" or k.startswith("serving_")]
+    if serving:
         lines += ["", "| concurrent chats | gateway tok/s | engine direct tok/s | gateway / direct "
                       "| TTFT p50 gateway / direct, ms | latency p50 gateway / direct, ms |",
                   "|---|---:|---:|---:|---:|---:|"]
-        for key, d in srv.items():
-            lines.append(f"| {key[6:]} | {d['gateway_tok_s']:.0f} | {d['engine_tok_s']:.0f} | {d['ratio']:.2f} "
+    for part in serving:
+        how = "" if part == "serving" else f" ({part[8:]} attention)"
+        for key, d in ((k, d) for k, d in results[part].items() if k.startswith("chats_")):
+            lines.append(f"| {key[6:]}{how} | {d['gateway_tok_s']:.0f} | {d['engine_tok_s']:.0f} | {d['ratio']:.2f} "
                          f"| {d['gateway_ttft_p50_ms']:.0f} / {d['engine_ttft_p50_ms']:.0f} "
                          f"| {d['gateway_latency_p50_ms']:.0f} / {d['engine_latency_p50_ms']:.0f} |")
     return "\n".join(lines)
@@ -573,7 +575,7 @@ def main(argv=None) -> int:
         for key, d in srv.items():
             if key.startswith("chats_"):
                 d.update(stamp, shape=shape)
-        results["serving"] = srv
+        results["serving" if args.decode_attention == "sdpa" else f"serving_{args.decode_attention}"] = srv
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\n{table(results)}\n\n({shape}, {results['meta']['device']}, commit {stamp['commit']}, "
