@@ -106,9 +106,7 @@ class StaticDecoder:
         self.params: list[SamplingParams] = []  # slot -> its sampling params
         self._slot_of: dict[int, int] = {}  # id(owner) -> slot
         self._buckets = batch_buckets(slots)
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}
-        self._outputs: dict[tuple, torch.Tensor] = {}  # a captured launch's packed results (static)
-        self.n_active = torch.zeros(1, dtype=torch.long, device=p.device)  # members this step (launch)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.captures = 0
 
@@ -181,7 +179,6 @@ class StaticDecoder:
 
     def drop_graphs(self) -> None:
         self._graphs.clear()
-        self._outputs.clear()
 
     # ------------------------------------------------------------------ the step
 
@@ -200,42 +197,18 @@ class StaticDecoder:
         """One decode step for every member, its inputs already on the device, then sampling on the
         device, whose tokens become the next step's inputs. Returns at once: the results travel to
         the host asynchronously, so the caller can prepare (and launch) the next step meanwhile.
-        A member that leaves before its results are read just has them ignored.
-
-        On a GPU the forward, the sampling and the state updates are one CUDA graph per (batch
-        bucket, width bucket, sampling switches): sampling's dozen small kernels would otherwise
-        cost the host about a millisecond a step at 64 streams. Rows past the members (padding up
-        to the bucket) are sampled too and ignored: ``n_active`` keeps their state unchanged."""
+        A member that leaves before its results are read just has them ignored."""
         n = len(self.members)
         if n == 0:
             raise ValueError("no members to decode")
-        if max(self.lengths) >= self.capacity:
-            raise RuntimeError("a decode slot is full")
+        logits = self._run_forward()
         params = list(self.params)
-        opts = draw_options(params, self.vocab)
-        b = next(s for s in self._buckets if s >= n)
-        w = width_bucket(max(self.lengths) + 1, self.capacity)
-        self.n_active.copy_(to_device([n], self.device), non_blocking=True)
-        key = ("launch", b, w, *sorted(opts.items()))
-        graph = self._graph(key, lambda: self._step_and_draw(b, w, opts)) if self.graphs else None
-        packed = self._step_and_draw(b, w, opts) if graph is None else self._outputs[key]
-        if graph is not None:
-            graph.replay()
-        for i in range(n):
-            self.lengths[i] += 1
-        return Launched(list(self.members), [p.top_logprobs for p in params], packed[:n])
-
-    def _step_and_draw(self, b: int, w: int, opts: dict) -> torch.Tensor:
-        """The forward of slots ``[0, b)``, sampling every row, and the members' state moved on
-        (the first ``n_active`` rows: next input = the drawn token, position and draw counter + 1)."""
-        self._forward(b, w)
-        res = draw(self.logits[:b], self.temps[:b], self.top_k[:b], self.top_p[:b], self.seeds[:b],
-                   self.counters[:b], **opts)
-        active = self.rows[:b] < self.n_active
-        self.ids[:b] = torch.where(active, res[0], self.ids[:b])
-        self.pos[:b] += active
-        self.counters[:b] += active
-        return pack(*res)
+        res = draw(logits, self.temps[:n], self.top_k[:n], self.top_p[:n], self.seeds[:n], self.counters[:n],
+                   **draw_options(params, self.vocab))
+        self.ids[:n] = res[0]
+        self.pos[:n] += 1
+        self.counters[:n] += 1
+        return Launched(list(self.members), [p.top_logprobs for p in params], pack(*res))
 
     def _run_forward(self) -> torch.Tensor:
         n = len(self.members)
@@ -243,7 +216,7 @@ class StaticDecoder:
             raise RuntimeError("a decode slot is full")
         b = next(s for s in self._buckets if s >= n)
         w = width_bucket(max(self.lengths) + 1, self.capacity)
-        graph = self._graph(("forward", b, w), lambda: self._forward(b, w)) if self.graphs else None
+        graph = self._graph(b, w) if self.graphs else None
         if graph is None:
             self._forward(b, w)
         else:
@@ -252,33 +225,26 @@ class StaticDecoder:
             self.lengths[i] += 1
         return self.logits[:n]
 
-    def _graph(self, key: tuple, fn):
-        """The graph of ``fn`` (a forward, or a forward with its sampling) for ``key``, captured on
-        first use; None if it cannot be captured (that shape then runs eagerly)."""
+    def _graph(self, b: int, w: int):
+        key = (b, w)
         if key in self._graphs:
             return self._graphs[key]
         # Run once eagerly on a side stream (allocator and library warm-up, as torch asks), then
-        # capture, which records without running. The forward is idempotent for this step's inputs
-        # (it writes the same K/V at the same positions before attention reads them); sampling
-        # moves the slots' state on, so that is put back before the capture, and the replay that
-        # follows runs the step once.
-        saved = (self.state_i.clone(), self.state_f.clone())
+        # capture. Both see this step's inputs, and the step is idempotent for them: it writes the
+        # same K/V at the same positions before attention reads them, so running it again in the
+        # replay gives the same result.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            fn()
+            self._forward(b, w)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.state_i.copy_(saved[0])
-        self.state_f.copy_(saved[1])
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                out = fn()
-            if out is not None:
-                self._outputs[key] = out
+                self._forward(b, w)
         except Exception as e:  # e.g. a rope variant that syncs: that shape runs eagerly
-            log.warning("decode graph %s not captured (%s: %s); running it eagerly", key, type(e).__name__,
-                        str(e)[:200])
+            log.warning("decode graph for batch %d, width %d not captured (%s: %s); running it eagerly",
+                        b, w, type(e).__name__, str(e)[:200])
             graph = None
         self._graphs[key] = graph
         self.captures += 1
