@@ -419,10 +419,11 @@ def measure(url: str, model: str, args, chat_headers: dict, admin_headers: dict,
 
 def bearer(overrides: list[str]) -> tuple[dict, dict]:
     """(chat headers, admin headers) from ``server.api_key`` / ``server.admin_key`` among the
-    overrides (their first key), as the server checks them; none on loopback without a key."""
+    overrides (their first key), as the server checks them. The API key never opens /admin; the
+    benchmark's server is on loopback, where /admin needs no key unless server.admin_key is set."""
     keys = {k: v for k, v in (o.split("=", 1) for o in overrides if "=" in o)}
     api = (keys.get("server.api_key") or "").split(",")[0].strip()
-    admin = (keys.get("server.admin_key") or "").split(",")[0].strip() or api
+    admin = (keys.get("server.admin_key") or "").split(",")[0].strip()
     auth = lambda key: {"Authorization": f"Bearer {key}"} if key else {}  # noqa: E731
     return auth(api), auth(admin)
 

@@ -184,3 +184,81 @@ def test_idle_sessions_are_closed_in_the_background(server):
     assert r.json()["choices"][0]["message"]["content"] == PLAIN_ANSWER
     turn = wait_for(lambda: [t for t in session_turns(server, "idle-one") if t["close_reason"] == "idle_timeout"])
     assert turn[0]["next_state"] is None
+
+
+# --- hostile bodies: each once answered 503 (or 200) and is now a 400 naming what is wrong -----
+
+def tool_turn(args='{"city": "Paris"}', answer_id="c1") -> list[dict]:
+    return [{"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": answer_id, "content": "sunny"}]
+
+
+def body_bytes(messages) -> bytes:
+    return json.dumps({"model": "tiny", "max_tokens": 4, "messages": messages}).encode()
+
+
+HOSTILE = {  # name: (raw body, status, param, code, words in the message)
+    # json.loads recursed once per level and raised RecursionError
+    "deeply nested JSON": (b'{"model": "tiny", "messages": ' + b'{"messages": [' * 2000, 400, None,
+                           "json_too_deep", "nests deeper than 100 levels"),
+    # valid JSON, but the tokenizer cannot encode "\ud800" and SQLite cannot store it as UTF-8
+    "lone surrogate in content": (b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi \\ud800"}]}',
+                                  400, "messages[0].content", "invalid_unicode", "lone UTF-16 surrogate"),
+    "lone surrogate in arguments": (body_bytes(tool_turn(args="X")).replace(b'"X"', b'"\\ud800"'), 400,
+                                    "messages[1].tool_calls[0].function.arguments", "invalid_unicode", "surrogate"),
+    "lone surrogate inside the arguments' JSON": (body_bytes(tool_turn(args='{"city": "\\ud800"}')), 400,
+                                                  "messages[1].tool_calls[0].function.arguments.city",
+                                                  "invalid_unicode", "surrogate"),
+    "arguments nested past the limit": (body_bytes(tool_turn(args="[" * 3000)), 400,
+                                        "messages[1].tool_calls[0].function.arguments", "json_too_deep", "deeper"),
+    # these were answered 200; OpenAI refuses them
+    "tool message without a preceding call": (body_bytes([{"role": "user", "content": "Hi"},
+                                                          {"role": "tool", "tool_call_id": "c1", "content": "x"}]),
+                                              400, "messages[1].role", None, "does not follow"),
+    "tool message answering no call": (body_bytes(tool_turn(answer_id="c9")), 400, "messages[2].tool_call_id", None,
+                                       "'c9' matches none"),
+    "arguments as an object": (body_bytes(tool_turn(args={"city": "Paris"})), 400,
+                               "messages[1].tool_calls[0].function.arguments", None, "must be a string"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_bodies_are_a_400_in_openai_format_and_store_nothing(server, name):
+    raw, code_status, param, code, words = HOSTILE[name]
+    before = status(server)["turns"]
+    r = httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == code_status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert (err["param"], err["code"]) == (param, code) and words in err["message"], err
+    assert status(server)["turns"] == before
+
+
+def test_a_surrogate_pair_is_text_and_the_stored_turn_is_valid_utf8(server):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, headers={"Content-Type": "application/json"},
+                   content=b'{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": '
+                           b'"Hi \\ud83d\\ude42"}]}')
+    assert r.status_code == 200, r.text
+    turn = server.store.get_turn(int(r.headers["x-turn-ids"]))
+    assert "Hi \U0001F642" in server.engine.tokenizer.decode(turn["prompt_ids"])
+
+
+@pytest.mark.parametrize("target,fault", [
+    ("clawrl.gateway.app.render_prompt", RuntimeError("renderer bug")),
+    ("clawrl.gateway.app.render_prompt", RecursionError("a recursion bug of ours")),
+    ("clawrl.gateway.json_limits.check", RuntimeError("checker bug")),
+])
+def test_an_internal_fault_is_still_a_5xx_in_openai_format(server, monkeypatch, target, fault):
+    """The fixes above refuse specific bad input; they do not turn the server's own faults into 400s."""
+    def broken(*a, **kw):
+        raise fault
+    monkeypatch.setattr(target, broken)
+    r = post(server, {"max_tokens": 4})
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == ("server_error", "internal_error") and "bug" not in err["message"]
+    monkeypatch.undo()
+    assert post(server, {"max_tokens": 4}).status_code == 200

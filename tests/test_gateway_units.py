@@ -7,7 +7,8 @@ import json
 import pytest
 
 from clawrl.config import ServerConfig
-from clawrl.gateway.auth import AuthConfigError, KeyRing, check_server_auth, key_rings
+from clawrl.gateway import json_limits
+from clawrl.gateway.auth import AuthConfigError, KeyRing, check_server_auth
 from clawrl.gateway.protocol import ApiError, parse_chat_request, parse_json_body
 from clawrl.gateway.render import render_prompt
 from clawrl.gateway.text import ChoiceDecoder, IncrementalDecoder, StopTrimmer, token_bytes
@@ -69,6 +70,78 @@ def test_text_parts_developer_role_and_tool_history_are_normalised():
     assert req.messages[3]["tool_call_id"] == "c1"
 
 
+def tool_history(call_id="c1", args='{"city": "Paris"}', answer_id="c1", between=()):
+    return [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+            *between,
+            {"role": "tool", "tool_call_id": answer_id, "content": "sunny"}]
+
+
+@pytest.mark.parametrize("msgs,param,words", [
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "x"}],
+     "messages[1].role", "does not follow an assistant message with 'tool_calls'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no calls"},
+      {"role": "tool", "tool_call_id": "c1", "content": "x"}], "messages[2].role", "does not follow"),
+    (tool_history(answer_id="c2"), "messages[2].tool_call_id", "'c2' matches none of the 'tool_calls'"),
+    (tool_history(between=[{"role": "user", "content": "and?"}]), "messages[3].role", "does not follow"),
+    (tool_history(answer_id=None), "messages[2].tool_call_id", "is required"),
+    (tool_history(answer_id=7), "messages[2].tool_call_id", "is required"),
+    (tool_history(call_id=7), "messages[1].tool_calls[0].id", "must be a string"),
+    (tool_history(args={"city": "Paris"}), "messages[1].tool_calls[0].function.arguments", "must be a string"),
+])
+def test_tool_results_must_answer_a_call_of_the_preceding_assistant_message(msgs, param, words):
+    e = err(parse_chat_request, body(messages=msgs))
+    assert (e.status, e.param, e.type) == (400, param, "invalid_request_error") and words in e.message
+
+
+def test_several_tool_results_answer_the_calls_of_one_assistant_message():
+    msgs = tool_history()
+    msgs[1]["tool_calls"].append({"id": "c2", "type": "function",
+                                  "function": {"name": "get_weather", "arguments": ""}})
+    msgs.append({"role": "tool", "tool_call_id": "c2", "content": "rainy"})
+    req = parse_chat_request(body(messages=msgs))
+    assert [m.get("tool_call_id") for m in req.messages] == [None, None, "c1", "c2"]
+    assert req.messages[1]["tool_calls"][1]["function"]["arguments"] == {}
+
+
+@pytest.mark.parametrize("raw,param,code", [
+    (b'{"model": "m", "messages": ' + b'{"messages": [' * 2000, None, "json_too_deep"),  # the decoder's own limit
+    (b'{"model": "m", "messages": ' + b"[" * 150 + b"]" * 150 + b"}", "messages" + "[0]" * 99, "json_too_deep"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content",
+     "invalid_unicode"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content",
+     "invalid_unicode"),
+    # UTF-8 bytes of an encoded surrogate: Python's decoder lets them through as a lone surrogate
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}', "messages[0].content",
+     "invalid_unicode"),
+    (b'{"model": "m", "\\ud800": 1}', None, "invalid_unicode"),
+])
+def test_json_bodies_too_deep_or_with_lone_surrogates_are_400_naming_where(raw, param, code):
+    e = err(parse_json_body, raw)
+    assert (e.status, e.param, e.code) == (400, param, code)
+    json.dumps(e.body(), ensure_ascii=False).encode("utf-8")  # the error itself is sendable UTF-8
+
+
+def test_surrogate_pairs_and_a_hundred_levels_are_fine():
+    body_ = parse_json_body(b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert body_["messages"][0]["content"] == "\U0001F600"
+    json_limits.check(json.loads("[" * 100 + "]" * 100))
+    with pytest.raises(json_limits.UnsafeJson):
+        json_limits.check(json.loads("[" * 101 + "]" * 101))
+
+
+@pytest.mark.parametrize("args,param,code", [
+    ('{"city": "\\ud800"}', "messages[1].tool_calls[0].function.arguments.city", "invalid_unicode"),
+    ("[" * 3000, "messages[1].tool_calls[0].function.arguments", "json_too_deep"),
+    ('{"a": ' + "[" * 120 + "]" * 120 + "}", "messages[1].tool_calls[0].function.arguments.a" + "[0]" * 99,
+     "json_too_deep"),
+])
+def test_tool_call_arguments_are_held_to_the_same_limits(args, param, code):
+    e = err(parse_chat_request, body(messages=tool_history(args=args)))
+    assert (e.status, e.param, e.code) == (400, param, code)
+
+
 @pytest.mark.parametrize("kw,param", [
     ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
     ({"stop": [1]}, "stop"), ({"stop": ["a"] * 5}, "stop"), ({"top_logprobs": 3}, "top_logprobs"),
@@ -114,15 +187,6 @@ def test_no_key_on_loopback_allows_and_non_loopback_requires_a_key():
     check_server_auth(ServerConfig(host="0.0.0.0", api_key="k"))
 
 
-def test_admin_key_defaults_to_the_api_key():
-    api, admin = key_rings(ServerConfig(api_key="a1,a2"))
-    assert admin.check("Bearer a2") == "a2"
-    api, admin = key_rings(ServerConfig(api_key="a1", admin_key="root"))
-    with pytest.raises(ApiError):
-        admin.check("Bearer a1")
-    assert admin.check("Bearer root") == "root"
-
-
 # --- tool calls and text ----------------------------------------------------------------------
 
 
@@ -165,6 +229,19 @@ def test_malformed_tool_call_comes_back_as_content_with_the_reason(text, reason)
     content, calls, errors = run_extractor([text])
     assert calls == [] and content == text
     assert len(errors) == 1 and reason in errors[0]
+
+
+@pytest.mark.parametrize("text,reason", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800"}}\n</tool_call>', "surrogate"),
+    ('<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"\\\\udc00\\"}"}\n</tool_call>',
+     "surrogate"),
+    ('<tool_call>\n{"name": "get_weather", "arguments": ' + "[" * 2000 + "\n</tool_call>", "deeper than"),
+])
+def test_a_model_written_call_with_a_lone_surrogate_or_endless_nesting_is_malformed(text, reason):
+    # the model's text is valid unicode, but it can write an escape that decodes to invalid text
+    content, calls, errors = run_extractor([text])
+    assert calls == [] and content == text and len(errors) == 1 and reason in errors[0]
+    content.encode("utf-8")  # what is stored and shown stays valid UTF-8
 
 
 def test_without_tools_tool_call_markup_is_plain_content():

@@ -124,7 +124,8 @@ class ServerConfig:
     port: int = option(30000, "TCP port to listen on; 0: any free port (the one chosen is printed).", ge=0, le=65535)
     api_key: Optional[str] = option(None, "Bearer key for /v1 (several: comma-separated, one per caller). "
                                     "Mandatory when host is not loopback.")
-    admin_key: Optional[str] = option(None, "Bearer key for /admin; null: server.api_key.")
+    admin_key: Optional[str] = option(None, "Bearer key for /admin (server.api_key never opens it); "
+                                            "null: /admin answers loopback clients only.")
     max_body_bytes: int = option(8 * 1024 * 1024, "Request bodies larger than this get 413.", ge=1)
     max_queue: int = option(64, "Requests waiting for the engine beyond this get 429 with Retry-After; "
                             "0: none wait.", ge=0)

@@ -27,11 +27,12 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawrl.config import ClawrlConfig
 from clawrl.engines.base import ContextLengthExceeded, Engine, EngineError, SamplingParams, TokenChunk
-from clawrl.gateway.auth import key_rings
+from clawrl.gateway.auth import AdminGuard, key_rings
 from clawrl.gateway.protocol import ApiError, ChatRequest, bad_request, parse_chat_request, parse_json_body
 from clawrl.gateway.render import RenderedPrompt, context_error, render_prompt
 from clawrl.gateway.streaming import DONE, ChunkMaker, SSEResponse, error_event, until_disconnect, usage
@@ -138,7 +139,10 @@ class Gateway:
         info = engine.model_info()
         self.model_name, self.max_context = info.name, info.max_context
         self.tokenizer = engine.tokenizer
-        self.api_keys, self.admin_keys = key_rings(cfg.server)
+        self.api_keys, self.admin_keys = key_rings(cfg.server)  # admin_keys: server.admin_key only
+        self.admin_guard = AdminGuard(self.admin_keys)
+        if not self.admin_keys.keys:
+            log.info("server.admin_key is unset: /admin answers loopback clients only")
         self.admission = Admission(cfg.engine.max_batch_size, cfg.server.max_queue)
         self.created = int(time.time())
         # Extra /admin/status sections from the layers above (e.g. training); each is a synchronous
@@ -411,6 +415,28 @@ class CatchAll:
             await _error_response(_as_api_error(e))(scope, receive, send)
 
 
+class AdminGate:
+    """ASGI middleware: every request for a path under /admin passes ``AdminGuard`` first.
+
+    Guarding by path rather than in each route means a route added under /admin by any layer
+    (the learner's pause and resume) cannot forget it, and the guard sees the client's address,
+    which a route's key check does not.
+    """
+
+    def __init__(self, app, guard: AdminGuard):
+        self.app, self.guard = app, guard
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/admin" or scope["path"].startswith("/admin/")):
+            client = scope.get("client")
+            try:
+                self.guard.check(Headers(scope=scope).get("authorization"), client[0] if client else None)
+            except ApiError as e:
+                await _error_response(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> FastAPI:
     """The gateway app. Its lifespan starts the engine, runs the idle-session closer, and shuts
     the engine down on exit."""
@@ -430,6 +456,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     app = FastAPI(title="clawrl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     app.add_middleware(CatchAll)
+    app.add_middleware(AdminGate, guard=gw.admin_guard)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -501,14 +528,10 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         headers["X-Turn-Ids"] = ",".join(map(str, turn.turn_ids))
         return JSONResponse(result, headers=headers)
 
-    # ---- admin
-
-    def admin(request: Request) -> None:
-        gw.admin_keys.check(request.headers.get("authorization"))
+    # ---- admin (every route under /admin is guarded by AdminGate)
 
     @app.get("/admin/status")
-    async def admin_status(request: Request):
-        admin(request)
+    async def admin_status():
         counts = await asyncio.to_thread(store.status_counts)
         out = {"model": gw.model_name, "weight_version": engine.model_info().weight_version,
                "engine": await engine.health(), "queue": {"free_slots": gw.admission.free,
@@ -518,15 +541,13 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         return out
 
     @app.get("/admin/sessions")
-    async def admin_sessions(request: Request, limit: int = 100, offset: int = 0):
-        admin(request)
+    async def admin_sessions(limit: int = 100, offset: int = 0):
         if not 1 <= limit <= 1000 or offset < 0:
             raise bad_request("limit must be 1..1000 and offset >= 0", param="limit")
         return {"object": "list", "data": await asyncio.to_thread(store.list_sessions, limit, offset)}
 
     @app.get("/admin/sessions/{session_id}")
-    async def admin_session(request: Request, session_id: str):
-        admin(request)
+    async def admin_session(session_id: str):
         session = await asyncio.to_thread(store.get_session, session_id)
         if session is None:
             raise ApiError(404, f"no session '{session_id}'", param="session_id", code="session_not_found")
@@ -534,7 +555,6 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
 
     @app.patch("/admin/turns/{turn_id}")
     async def admin_relabel(request: Request, turn_id: str):
-        admin(request)
         body = parse_json_body(await read_body(request, cfg.server.max_body_bytes))
         if not turn_id.isdigit():
             raise ApiError(404, f"no turn with id {turn_id}", param="turn_id", code="turn_not_found")

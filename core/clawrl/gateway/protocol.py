@@ -11,6 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from clawrl.gateway import json_limits
+from clawrl.gateway.json_limits import UnsafeJson
+
 
 class ApiError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
@@ -81,11 +84,19 @@ class ChatRequest:
     user: str | None = None
 
 
+def unsafe_json_error(e: UnsafeJson) -> ApiError:
+    return bad_request(str(e), param=e.path or None, code=e.code)
+
+
 def parse_json_body(raw: bytes) -> dict:
+    """The body as a JSON object, nested at most ``json_limits.MAX_DEPTH`` deep and with valid
+    unicode text only, so nothing after this point meets a RecursionError or unencodable text."""
     try:
-        body = json.loads(raw)
+        body = json_limits.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except UnsafeJson as e:
+        raise unsafe_json_error(e) from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     return body
@@ -161,19 +172,43 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_request(f"'{p}' must have function.name", param=p)
         args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:  # chat templates render a dict as JSON; keep the string if it is not JSON
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                pass
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise bad_request(f"'{p}.id' must be a string", param=f"{p}.id")
+        if not isinstance(args, str):  # OpenAI sends (and requires) JSON text, never an object
+            raise bad_request(f"'{p}.function.arguments' must be a string of JSON text",
+                              param=f"{p}.function.arguments")
+        try:  # chat templates render a dict as JSON; keep the string if it is not JSON
+            args = json_limits.loads(args, f"{p}.function.arguments") if args.strip() else {}
+        except json.JSONDecodeError:
+            pass
+        except UnsafeJson as e:
+            raise unsafe_json_error(e) from None
         out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
+
+
+def _tool_result(m: dict, p: str, answerable: set | None) -> dict:
+    """A ``tool`` message, which must answer a call of the assistant message just before it (or
+    before the run of tool messages it belongs to), as OpenAI requires: a result for no call, or
+    for a call that was never made, has no place in the prompt and no meaning in a session."""
+    if answerable is None:
+        raise bad_request(f"'{p}' has role 'tool' but does not follow an assistant message with 'tool_calls'",
+                          param=f"{p}.role")
+    call_id = m.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"'{p}.tool_call_id' is required (a string naming the call it answers)",
+                          param=f"{p}.tool_call_id")
+    if call_id not in answerable:
+        raise bad_request(f"'{p}.tool_call_id' '{call_id}' matches none of the 'tool_calls' of the preceding "
+                          "assistant message", param=f"{p}.tool_call_id")
+    return {"role": "tool", "content": _text_content(m.get("content"), f"{p}.content"), "tool_call_id": call_id}
 
 
 def _messages(raw: Any) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty list", param="messages")
     out = []
+    answerable: set | None = None  # ids of the tool calls the next tool message may answer
     for i, m in enumerate(raw):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -183,15 +218,16 @@ def _messages(raw: Any) -> list[dict]:
             raise bad_request(f"'{p}.role' must be one of {sorted(ROLES)}", param=f"{p}.role")
         if role == "assistant":
             msg = {"role": "assistant", "content": _text_content(m.get("content"), f"{p}.content", allow_none=True)}
+            answerable = None
             if m.get("tool_calls"):
                 msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls")
+                answerable = {c["id"] for c in msg["tool_calls"] if isinstance(c["id"], str)}
             elif msg["content"] is None:
                 raise bad_request(f"'{p}' needs content or tool_calls", param=f"{p}.content")
         elif role == "tool":
-            msg = {"role": "tool", "content": _text_content(m.get("content"), f"{p}.content")}
-            if m.get("tool_call_id") is not None:
-                msg["tool_call_id"] = str(m["tool_call_id"])
+            msg = _tool_result(m, p, answerable)
         else:  # developer is OpenAI's newer name for system; chat templates know only system
+            answerable = None
             msg = {"role": "system" if role == "developer" else role,
                    "content": _text_content(m.get("content"), f"{p}.content")}
         out.append(msg)

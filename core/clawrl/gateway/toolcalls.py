@@ -13,6 +13,8 @@ import secrets
 import string
 from dataclasses import dataclass
 
+from clawrl.gateway import json_limits
+
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -52,9 +54,14 @@ class Content:
 
 
 def parse_call(body: str, tool_names: set[str]) -> ToolCall:
-    """Parse the inside of one ``<tool_call>`` block; ``ValueError`` says why it is malformed."""
+    """Parse the inside of one ``<tool_call>`` block; ``ValueError`` says why it is malformed.
+
+    The model's text is valid unicode, but it may *write* an escape such as ``\\ud800`` or nest
+    without end: ``json_limits`` refuses such a call with its ``UnsafeJson`` (a ``ValueError``), so
+    it is malformed like any other, not a crash when the turn is stored.
+    """
     try:
-        obj = json.loads(body)
+        obj = json_limits.loads(body, "tool_call")
     except json.JSONDecodeError as e:
         raise ValueError(f"tool call is not valid JSON ({e.msg} at char {e.pos})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -64,7 +71,7 @@ def parse_call(body: str, tool_names: set[str]) -> ToolCall:
     args = obj.get("arguments", {})
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json_limits.loads(args, "tool_call.arguments")
         except json.JSONDecodeError:
             raise ValueError("tool call 'arguments' is a string that is not JSON") from None
     if not isinstance(args, dict):

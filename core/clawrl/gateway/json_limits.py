@@ -1,0 +1,96 @@
+"""JSON from outside the server, held to what the code after it can handle.
+
+Valid JSON allows two things that break the code downstream, so they are refused where JSON
+enters (request bodies, tool-call ``arguments``, tool calls the model writes):
+
+- **deep nesting.** Python's JSON decoder and encoder, the chat template and the store each
+  recurse once per level, so ``[[[[...`` a few thousand levels deep raises ``RecursionError``
+  (at a depth that depends on how deep the caller's stack already is). ``MAX_DEPTH`` is far above
+  any real request (OpenClaw's tool schemas nest under 10 levels) and far below the recursion
+  limit, so nothing after the check can hit it.
+- **lone UTF-16 surrogates.** ``"\\ud800"`` is valid JSON but not unicode text: the tokenizer
+  cannot encode it and it cannot be stored as UTF-8. It is refused, as OpenAI refuses invalid
+  unicode, rather than replaced: a stored turn holds exactly what the client sent, as valid UTF-8.
+
+A surrogate *pair* (``"\\ud83d\\ude00"``) is one character once decoded, so any surrogate left in
+a decoded string is a lone one.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+MAX_DEPTH = 100
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class UnsafeJson(ValueError):
+    """Valid JSON that the server refuses; ``path`` names where (``messages[0].content``), ``code``
+    says why (``json_too_deep`` | ``invalid_unicode``)."""
+
+    def __init__(self, message: str, path: str, code: str):
+        super().__init__(message)
+        self.path, self.code = path, code
+
+
+def loads(text: str | bytes, path: str = "") -> Any:
+    """``json.loads`` that raises ``UnsafeJson`` for what ``check`` refuses.
+
+    Malformed JSON still raises ``json.JSONDecodeError`` (or ``UnicodeDecodeError``), as before.
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError:  # the decoder recursed once per level of the input: it is too deep
+        raise UnsafeJson(f"{_name(path)} nests deeper than {MAX_DEPTH} levels", path, "json_too_deep") from None
+    check(value, path)
+    return value
+
+
+def check(value: Any, path: str = "") -> None:
+    """Raise ``UnsafeJson`` at the first place (in document order) that nests deeper than
+    ``MAX_DEPTH`` or holds a lone surrogate (in a string or a key).
+
+    Iterative, so that checking depth cannot itself run out of stack; the path of a node is built
+    only when it is reported.
+    """
+    stack: list[tuple[Any, int, tuple | None]] = [(value, 0, None)]  # (value, depth, (key, parent trail))
+    while stack:
+        v, depth, trail = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                where = _path(path, trail)
+                raise UnsafeJson(f"{_name(where)} holds a lone UTF-16 surrogate, which is not valid unicode "
+                                 "text; send UTF-8 text (a surrogate pair is fine)", where, "invalid_unicode")
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth >= MAX_DEPTH:
+            where = _path(path, trail)
+            raise UnsafeJson(f"{_name(where)} nests deeper than {MAX_DEPTH} levels", where, "json_too_deep")
+        if isinstance(v, dict):
+            children = []
+            for k, item in v.items():
+                if _SURROGATE.search(k):
+                    where = _path(path, trail)
+                    raise UnsafeJson(f"a key of {_name(where)} holds a lone UTF-16 surrogate, which is not "
+                                     "valid unicode text", where, "invalid_unicode")
+                children.append((item, depth + 1, (k, trail)))
+        else:
+            children = [(item, depth + 1, (i, trail)) for i, item in enumerate(v)]
+        stack.extend(reversed(children))
+
+
+def _path(root: str, trail: tuple | None) -> str:
+    keys = []
+    while trail is not None:
+        key, trail = trail
+        keys.append(key)
+    out = root
+    for key in reversed(keys):
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+def _name(path: str) -> str:
+    return f"'{path}'" if path else "the JSON body"
