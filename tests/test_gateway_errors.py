@@ -211,6 +211,9 @@ HOSTILE = {  # name: (raw body, status, param, code, words in the message)
     "lone surrogate inside the arguments' JSON": (body_bytes(tool_turn(args='{"city": "\\ud800"}')), 400,
                                                   "messages[1].tool_calls[0].function.arguments.city",
                                                   "invalid_unicode", "surrogate"),
+    # Python's int() refused 5000 digits with a ValueError from inside the decoder
+    "a 5000-digit integer": (b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "seed": '
+                             + b"9" * 5000 + b"}", 400, None, "number_too_long", "more than 1000 digits"),
     "arguments nested past the limit": (body_bytes(tool_turn(args="[" * 3000)), 400,
                                         "messages[1].tool_calls[0].function.arguments", "json_too_deep", "deeper"),
     # these were answered 200; OpenAI refuses them
@@ -262,3 +265,12 @@ def test_an_internal_fault_is_still_a_5xx_in_openai_format(server, monkeypatch, 
     assert (err["type"], err["code"]) == ("server_error", "internal_error") and "bug" not in err["message"]
     monkeypatch.undo()
     assert post(server, {"max_tokens": 4}).status_code == 200
+
+
+def test_admin_ids_past_sqlite_integers_are_404_or_400_not_503(server):
+    # SQLite's INTEGER is 64-bit: a longer id overflowed inside the store; "²" passes str.isdigit
+    for turn_id in ("9" * 30, "%C2%B2", "%D9%A1"):
+        r = httpx.patch(f"{server.url}/admin/turns/{turn_id}", json={"label": "side"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "turn_not_found", (turn_id, r.text)
+    r = httpx.get(f"{server.url}/admin/sessions?offset={10 ** 30}", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text

@@ -116,11 +116,19 @@ def test_several_tool_results_answer_the_calls_of_one_assistant_message():
     (b'{"model": "m", "messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}', "messages[0].content",
      "invalid_unicode"),
     (b'{"model": "m", "\\ud800": 1}', None, "invalid_unicode"),
+    # Python's decoder raised a plain ValueError past 4300 digits; NaN is Python's, not JSON's
+    (b'{"model": "m", "seed": ' + b"7" * 5000 + b"}", None, "number_too_long"),
+    (b'{"model": "m", "seed": -' + b"7" * 1001 + b"}", None, "number_too_long"),
+    (b'{"model": "m", "temperature": NaN}', None, "invalid_json"),
 ])
 def test_json_bodies_too_deep_or_with_lone_surrogates_are_400_naming_where(raw, param, code):
     e = err(parse_json_body, raw)
     assert (e.status, e.param, e.code) == (400, param, code)
     json.dumps(e.body(), ensure_ascii=False).encode("utf-8")  # the error itself is sendable UTF-8
+
+
+def test_a_thousand_digits_are_an_integer():
+    assert parse_json_body(b'{"n": -' + b"9" * 1000 + b"}")["n"] == -(10 ** 1000 - 1)
 
 
 def test_surrogate_pairs_and_a_hundred_levels_are_fine():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -44,6 +45,7 @@ from clawrl.store import UnknownTurn
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+_TURN_ID = re.compile("[0-9]{1,18}")
 
 
 class Admission:
@@ -542,7 +544,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
 
     @app.get("/admin/sessions")
     async def admin_sessions(limit: int = 100, offset: int = 0):
-        if not 1 <= limit <= 1000 or offset < 0:
+        if not 1 <= limit <= 1000 or not 0 <= offset < 2**63:  # SQLite's INTEGER is 64-bit
             raise bad_request("limit must be 1..1000 and offset >= 0", param="limit")
         return {"object": "list", "data": await asyncio.to_thread(store.list_sessions, limit, offset)}
 
@@ -556,7 +558,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     @app.patch("/admin/turns/{turn_id}")
     async def admin_relabel(request: Request, turn_id: str):
         body = parse_json_body(await read_body(request, cfg.server.max_body_bytes))
-        if not turn_id.isdigit():
+        if not _TURN_ID.fullmatch(turn_id):  # ASCII digits that fit SQLite's INTEGER ("²".isdigit() too)
             raise ApiError(404, f"no turn with id {turn_id}", param="turn_id", code="turn_not_found")
         label = body.get("label")
         if set(body) != {"label"} or not isinstance(label, str):

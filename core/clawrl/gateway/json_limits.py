@@ -8,9 +8,13 @@ enters (request bodies, tool-call ``arguments``, tool calls the model writes):
   (at a depth that depends on how deep the caller's stack already is). ``MAX_DEPTH`` is far above
   any real request (OpenClaw's tool schemas nest under 10 levels) and far below the recursion
   limit, so nothing after the check can hit it.
+- **huge integers.** Python refuses to convert an integer of more than 4300 digits with a plain
+  ``ValueError`` from inside the decoder; ``MAX_INT_DIGITS`` refuses it first, by name.
 - **lone UTF-16 surrogates.** ``"\\ud800"`` is valid JSON but not unicode text: the tokenizer
   cannot encode it and it cannot be stored as UTF-8. It is refused, as OpenAI refuses invalid
   unicode, rather than replaced: a stored turn holds exactly what the client sent, as valid UTF-8.
+
+``NaN`` and ``Infinity``, which Python's decoder accepts but JSON does not have, are refused too.
 
 A surrogate *pair* (``"\\ud83d\\ude00"``) is one character once decoded, so any surrogate left in
 a decoded string is a lone one.
@@ -22,12 +26,13 @@ import re
 from typing import Any
 
 MAX_DEPTH = 100
+MAX_INT_DIGITS = 1000  # 2**1000 has 302 digits; Python's own limit is 4300
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class UnsafeJson(ValueError):
     """Valid JSON that the server refuses; ``path`` names where (``messages[0].content``), ``code``
-    says why (``json_too_deep`` | ``invalid_unicode``)."""
+    says why (``json_too_deep`` | ``invalid_unicode`` | ``number_too_long`` | ``invalid_json``)."""
 
     def __init__(self, message: str, path: str, code: str):
         super().__init__(message)
@@ -40,7 +45,8 @@ def loads(text: str | bytes, path: str = "") -> Any:
     Malformed JSON still raises ``json.JSONDecodeError`` (or ``UnicodeDecodeError``), as before.
     """
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=lambda digits: _integer(digits, path),
+                           parse_constant=lambda name: _not_json(name, path))
     except RecursionError:  # the decoder recursed once per level of the input: it is too deep
         raise UnsafeJson(f"{_name(path)} nests deeper than {MAX_DEPTH} levels", path, "json_too_deep") from None
     check(value, path)
@@ -79,6 +85,17 @@ def check(value: Any, path: str = "") -> None:
         else:
             children = [(item, depth + 1, (i, trail)) for i, item in enumerate(v)]
         stack.extend(reversed(children))
+
+
+def _integer(digits: str, path: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise UnsafeJson(f"{_name(path)} holds an integer of more than {MAX_INT_DIGITS} digits", path,
+                         "number_too_long")
+    return int(digits)
+
+
+def _not_json(name: str, path: str):
+    raise UnsafeJson(f"{_name(path)} holds {name}, which is not a JSON value", path, "invalid_json")
 
 
 def _path(root: str, trail: tuple | None) -> str:
