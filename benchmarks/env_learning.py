@@ -3,7 +3,7 @@
 Runs exactly the commands a user would (issue 16, item 7), as subprocesses:
 
     clawrl env eval RECIPE --split test
-    bash RECIPE/run.sh run_dir=D seed=S env.max_train_steps=N env.eval_every=E
+    bash RECIPE/run.sh run_dir=D seed=1 env.max_train_steps=30 env.eval_every=10   (seeds 1, 2, 3)
     clawrl env eval RECIPE --split test --run-dir D
 
 for each seed, then reads each run's ``metrics.jsonl`` for the curves (held-out success by train
@@ -45,7 +45,7 @@ def evaluate(recipe: str, run_dir: Path | None, overrides: list[str]) -> tuple[d
 
 
 def train(recipe: str, run_dir: Path, seed: int, steps: int, eval_every: int, overrides: list[str]) -> float:
-    """``bash RECIPE/run.sh run_dir=D seed=S env.max_train_steps=N ...``; its seconds (log in D)."""
+    """``bash RECIPE/run.sh`` with the run dir, seed, steps and eval interval; its seconds (log in D)."""
     cmd = ["bash", str(REPO / recipe / "run.sh"), f"run_dir={run_dir}", f"seed={seed}",
            f"env.max_train_steps={steps}", f"env.eval_every={eval_every}", "server.port=0", *overrides]
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from clawrl.engines import decode_attention
+import clawrl.engines.decode_attention as decode_attention
 from clawrl.engines.base import SamplingParams
 from clawrl.engines.ragged import RaggedForward, SeqKV, rms_norm, to_device
 from clawrl.engines.sampling import draw, draw_options, pack
