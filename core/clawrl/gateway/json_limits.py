@@ -54,37 +54,47 @@ def loads(text: str | bytes, path: str = "") -> Any:
 
 
 def check(value: Any, path: str = "") -> None:
-    """Raise ``UnsafeJson`` at the first place (in document order) that nests deeper than
-    ``MAX_DEPTH`` or holds a lone surrogate (in a string or a key).
+    """Raise ``UnsafeJson`` naming a place that nests deeper than ``MAX_DEPTH`` or holds a lone
+    surrogate (in a string or a key).
 
-    Iterative, so that checking depth cannot itself run out of stack; the path of a node is built
-    only when it is reported.
+    Iterative, so that checking depth cannot itself run out of stack. It runs on every request,
+    so it visits containers only (strings are searched where they sit, keys in one search per
+    object) and builds a node's path only when it reports it.
     """
-    stack: list[tuple[Any, int, tuple | None]] = [(value, 0, None)]  # (value, depth, (key, parent trail))
+    search = _SURROGATE.search
+    if type(value) is str and search(value):
+        raise _surrogate(path, None)
+    stack: list[tuple[Any, int, tuple | None]] = []  # (container, depth, (key, parent trail))
+    if type(value) in (dict, list):
+        stack.append((value, 0, None))
     while stack:
         v, depth, trail = stack.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                where = _path(path, trail)
-                raise UnsafeJson(f"{_name(where)} holds a lone UTF-16 surrogate, which is not valid unicode "
-                                 "text; send UTF-8 text (a surrogate pair is fine)", where, "invalid_unicode")
-            continue
-        if not isinstance(v, (dict, list)):
-            continue
         if depth >= MAX_DEPTH:
             where = _path(path, trail)
             raise UnsafeJson(f"{_name(where)} nests deeper than {MAX_DEPTH} levels", where, "json_too_deep")
-        if isinstance(v, dict):
-            children = []
-            for k, item in v.items():
-                if _SURROGATE.search(k):
-                    where = _path(path, trail)
-                    raise UnsafeJson(f"a key of {_name(where)} holds a lone UTF-16 surrogate, which is not "
-                                     "valid unicode text", where, "invalid_unicode")
-                children.append((item, depth + 1, (k, trail)))
+        if type(v) is dict:
+            if search("".join(v)):
+                where = _path(path, trail)
+                raise UnsafeJson(f"a key of {_name(where)} holds a lone UTF-16 surrogate, which is not "
+                                 "valid unicode text", where, "invalid_unicode")
+            items = v.items()
         else:
-            children = [(item, depth + 1, (i, trail)) for i, item in enumerate(v)]
-        stack.extend(reversed(children))
+            items = enumerate(v)
+        nested = []
+        for k, item in items:
+            kind = type(item)
+            if kind is str:
+                if search(item):
+                    raise _surrogate(path, (k, trail))
+            elif kind is dict or kind is list:
+                nested.append((item, depth + 1, (k, trail)))
+        stack.extend(reversed(nested))  # the first container is checked first
+
+
+def _surrogate(root: str, trail: tuple | None) -> UnsafeJson:
+    where = _path(root, trail)
+    return UnsafeJson(f"{_name(where)} holds a lone UTF-16 surrogate, which is not valid unicode text; "
+                      "send UTF-8 text (a surrogate pair is fine)", where, "invalid_unicode")
 
 
 def _integer(digits: str, path: str) -> int:
