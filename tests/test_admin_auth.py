@@ -94,9 +94,11 @@ def test_the_admin_ring_never_holds_the_api_keys():
     with pytest.raises(ApiError) as e:
         guard.check("Bearer a1", "10.1.2.3")
     assert e.value.status == 403
-    with pytest.raises(ApiError) as e:
-        guard.check(None, None)  # an unknown peer is not loopback
-    assert e.value.status == 403
+    guard.check(None, "::ffff:127.0.0.1")  # an IPv4 client of a dual-stack socket
+    for peer in (None, "::ffff:10.0.0.1", "localhost.evil.example", "0.0.0.0"):  # None: an unknown peer
+        with pytest.raises(ApiError) as e:
+            guard.check(None, peer)
+        assert e.value.status == 403, peer
     api, admin = key_rings(ServerConfig(api_key="a1", admin_key="root,ops"))
     guard = AdminGuard(admin)
     guard.check("Bearer ops", "10.1.2.3")

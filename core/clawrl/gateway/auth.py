@@ -32,9 +32,11 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # a dual-stack socket shows 127.0.0.1 as ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def check_server_auth(server: ServerConfig) -> None:
