@@ -2,8 +2,9 @@
 
 One episode is one task directory (Harbor or Terminal-Bench 1.0, ``clawrl.envs.task_formats``) in
 its own sandbox (``clawrl.envs.sandbox``): the task's Dockerfile is interpreted on top of the host,
-the agent sees the instruction, and each reply's fenced ``bash`` block runs in the sandbox, its
-exit code and output coming back as the next observation. The agent ends the episode by replying
+the agent sees the instruction, and each reply's fenced ``bash`` block (or a Qwen/Hermes ``bash`` tool
+call, ``BASH_TOOL``: see ``parse_action``) runs in the sandbox, its exit code and output coming back as
+the next observation. The agent ends the episode by replying
 ``DONE``; the turn limit or the task's agent time budget end it too. Then, and only then, the
 tests are copied in and run, and their verdict is the reward, so nothing the agent does can read
 or edit them.
@@ -14,6 +15,7 @@ group, as clawrl's are, does not care which).
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Optional
@@ -30,17 +32,66 @@ SYSTEM_PROMPT = (
     "processes do not carry over, files do. When the task is done, reply with the single word DONE.")
 # Most characters of each output stream an observation shows (the tail, where errors are).
 OBSERVATION_CHARS = 4000
+# The same commands as a tool call, for harnesses that offer the shell as a tool (the embedded model
+# learns both spellings; docs/action_formats.md): <tool_call>{"name": "bash", "arguments":
+# {"command": "..."}}</tool_call>, or the JSON alone when special tokens were decoded away.
+BASH_TOOL = {"type": "function", "function": {
+    "name": "bash",
+    "description": "Run shell commands in a fresh bash in the working directory and return the exit code and output.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "Commands to run"}},
+                   "required": ["command"]}}}
 _BLOCK = re.compile(r"```[ \t]*(?:bash|sh|shell|console)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_TAGGED_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_BARE_CALL = re.compile(r"\{\s*\"name\"\s*:\s*\"bash\"")
 _DONE = re.compile(r"^\W*done\W*$", re.IGNORECASE | re.MULTILINE)
 
 
 def parse_action(reply: str) -> tuple[Optional[str], bool]:
-    """The commands a reply asks to run (its fenced blocks, in order, joined) and whether it says
-    the task is done (a line that is just ``DONE``; outside a code block)."""
-    blocks = [b.strip("\n") for b in _BLOCK.findall(reply)]
-    prose = _BLOCK.sub("", reply)
-    commands = "\n".join(b for b in blocks if b.strip()) or None
+    """The commands a reply asks to run and whether it says the task is done (a line that is just
+    ``DONE``, outside any block or call). Commands are its fenced blocks and its ``bash`` tool calls
+    (``BASH_TOOL``: tagged, or bare JSON), in the order they appear, joined by newlines. A call that
+    is not valid JSON, names another tool or has no string ``command`` runs nothing: with nothing
+    else to run, the reply is malformed and the agent is told so."""
+    found: list[tuple[int, str]] = []
+    prose = reply
+    for m in _TAGGED_CALL.finditer(reply):
+        command = _call_command(m.group(1).strip())
+        if command is not None:
+            found.append((m.start(), command))
+        prose = prose[:m.start()] + " " * (m.end() - m.start()) + prose[m.end():]
+    for m in _BLOCK.finditer(prose):
+        found.append((m.start(), m.group(1).strip("\n")))
+    prose = _BLOCK.sub(lambda m: " " * len(m.group(0)), prose)
+    for m in _BARE_CALL.finditer(prose):
+        try:
+            obj, end = json.JSONDecoder().raw_decode(prose, m.start())
+        except ValueError:
+            continue
+        command = _call_command(obj)
+        if command is not None:
+            found.append((m.start(), command))
+        prose = prose[:m.start()] + " " * (end - m.start()) + prose[end:]
+    commands = "\n".join(c for _, c in sorted(found) if c.strip()) or None
     return commands, bool(_DONE.search(prose))
+
+
+def _call_command(call) -> Optional[str]:
+    """The ``command`` of a ``bash`` tool call (a JSON string, or a parsed object), else None."""
+    if isinstance(call, str):
+        try:
+            call = json.loads(call)
+        except ValueError:
+            return None
+    if not isinstance(call, dict) or call.get("name") != BASH_TOOL["function"]["name"]:
+        return None
+    args = call.get("arguments", call.get("parameters"))
+    if isinstance(args, str):  # OpenAI's wire format sends the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    command = args.get("command") if isinstance(args, dict) else None
+    return command if isinstance(command, str) else None
 
 
 def render_result(result: ExecResult) -> str:
