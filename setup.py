@@ -11,7 +11,7 @@ setup(
     description="Train a self-hosted LLM agent from its own live conversations.",
     package_dir={"": "core"},
     packages=find_packages("core"),
-    package_data={"clawrl": ["conf/*.yaml"]},
+    package_data={"clawrl": ["conf/*.yaml", "embedded/*.jsonl"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11,<2.14",

@@ -8,7 +8,7 @@ collect_ignore_glob = ["fixtures/*"]
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    """The embedded default model (built once into CLAWRL_HOME, about 4 minutes, then cached)."""
+    """The embedded default model (built once into CLAWRL_HOME, about 6 minutes, then cached)."""
     from clawrl.embedded.build import default_model_path
 
     return default_model_path()

@@ -10,7 +10,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import random
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Iterator
 
 from clawrl.config import compose
 from clawrl.embedded import build
-from clawrl.embedded.corpus import Chat, short_chat
+from clawrl.embedded.corpus import Chat
 from clawrl.envs.answers import answers_match
 from clawrl.envs.task_formats import ROWS, discover
 from clawrl.orchestration.env_commands import resolve
@@ -126,12 +125,10 @@ def _chat_texts(chat: Chat) -> Iterator[str]:
 
 
 def corpus_texts(seed: int = 0) -> Iterator[str]:
-    """Every message text the embedded build of ``seed`` can train on (a superset: the chats of its
-    short and long streams up to the tokens its steps consume, plus the tokenizer's chats)."""
-    steps = build.DEFAULT_STEPS
-    long_steps = sum(1 for s in range(steps) if s % build.LONG_EVERY == build.LONG_EVERY - 1)
-    budgets = {"short": (steps - long_steps) * build.SHORT_ROWS * build.SHORT_LEN,
-               "long": long_steps * build.LONG_LEN}
+    """Every message text the embedded build of ``seed`` can train on (a superset: the chats of each
+    stream, short, long and agent, up to the tokens its steps consume, plus the tokenizer's chats)."""
+    budgets = build.token_budgets(build.DEFAULT_STEPS)
+    assert set(budgets) == {"short", "long", "agent"} and all(budgets.values())
     for kind, budget in budgets.items():
         tokens = 0
         for batch in build._chat_batches(seed, kind):
@@ -140,9 +137,8 @@ def corpus_texts(seed: int = 0) -> Iterator[str]:
                 tokens += MIN_TOKENS_PER_MESSAGE * len(chat.messages)
             if tokens >= budget:
                 break
-    rng = random.Random(f"tokenizer-{seed}")
-    for _ in range(build.TOKENIZER_CHATS):
-        yield from _chat_texts(short_chat(rng))
+    for chat in build.tokenizer_chats(seed):
+        yield from _chat_texts(chat)
 
 
 def corpus_hits(problems: list[dict], texts) -> list[str]:
@@ -174,6 +170,25 @@ def test_the_corpus_check_finds_a_problem_the_corpus_does_contain():
     unrelated = {"task_id": "unrelated", "question": "What is 4821 * 397?", "answer": "1913937"}
     hits = corpus_hits([planted, unrelated], texts)
     assert hits and all(h.startswith("planted:") for h in hits)
+
+
+def test_the_corpus_check_finds_a_train_problem_of_the_agent_episodes():
+    # The corpus's toolcall episodes are train problems: the check, given those, must find them.
+    agent = next(b for b in build._chat_batches(0, "agent"))
+    texts = [t for chat in agent for t in _chat_texts(chat)]
+    questions = {t for t in texts}
+    seen = [r for r in rows("train") if r["question"] in questions]
+    assert seen, "no toolcall episode in the first agent batch"
+    hits = corpus_hits(seen[:3], texts)
+    assert {h.split(":")[0] for h in hits} == {r["task_id"] for r in seen[:3]}
+
+
+def test_the_corpus_never_shows_a_held_out_template():
+    from clawrl.embedded.agentic import toolcall_rows
+
+    assert {r["template"] for r in toolcall_rows()} == set(make_tasks.TRAIN_TEMPLATES)
+    held_out = {re.sub(r"\d+", "N", r["question"]) for r in rows("test") if r["template"] in make_tasks.HELD_OUT}
+    assert held_out and not held_out & {re.sub(r"\d+", "N", r["question"]) for r in toolcall_rows()}
 
 
 def test_no_test_problem_appears_in_the_embedded_model_corpus():

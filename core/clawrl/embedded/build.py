@@ -12,12 +12,18 @@ weights (with the same thread count and library versions).
 Most steps are 16 packed rows of 256 tokens of short chats; every ``LONG_EVERY``-th step is one
 4096-token row that starts with a long system prompt, so the model learns to answer after the
 kind of prefix a real agent client sends (more long steps cost addition accuracy for the same
-time). Loss is on assistant tokens only, and only those positions go through the output layer,
-which with an 8k vocabulary would otherwise be most of the compute.
+time); every ``AGENT_EVERY``-th step is four 1024-token rows of whole agent episodes
+(``clawrl.embedded.agentic``: python tool calls and boxed answers, bash blocks and bash tool calls,
+computer-use JSON). Loss is on assistant tokens only, and only those positions go through the
+output layer, which with an 8k vocabulary would otherwise be most of the compute.
 
-Measured (seed 0, 900 steps): additions of held-out pairs 83-95% (three sets of 100), 66% after
-a 2.4k-token system prompt; the held-out accuracy rises steeply between 600 and 900 steps (7% at
-600), and lr 3e-3 stalled at 30% where 2e-3 reached 85%.
+Measured (seed 0, 1500 steps, built with one torch thread on a loaded 2-core box: 993 s): additions
+of held-out pairs 81/84/85% (three sets of 100), 70% after a 2.4k-token system prompt; toolcall-rl
+(BENCHMARKS.md, "The embedded model's agent formats"): greedy test success 0.05, a well-formed
+python call first on the three tool-first templates. At 1300 steps the same corpus gave 65-73%,
+37% after the long prompt and 0.004 on toolcall-rl: the agent episodes need the extra steps. Before
+them (900 steps, no agent episodes): 83-95%, 66%; the held-out accuracy rose steeply between 600
+and 900 steps (7% at 600), and lr 3e-3 stalled at 30% where 2e-3 reached 85%.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from clawrl.config import ClawrlConfig
-from clawrl.embedded.corpus import chat_pieces, long_chat, short_chat
+from clawrl.embedded.corpus import agent_episode, chat_pieces, long_chat, short_chat
 from clawrl.embedded.english import english_paragraphs
 from clawrl.embedded.evaluate import evaluate_addition
 from clawrl.embedded.tokenizer import ENDOFTEXT, IM_END, render_chat, save_tokenizer, train_tokenizer
@@ -52,13 +58,18 @@ from clawrl.errors import CliError
 from clawrl.paths import data_dir
 
 MODEL_NAME = "clawrl-tiny"
-DEFAULT_STEPS = 900  # calibrated: about 4 minutes for the whole build on 2 idle cores (0.23 s a step)
+DEFAULT_STEPS = 1500  # calibrated: about 6 minutes for the whole build on 2 idle cores (0.23 s a step)
 SHORT_ROWS, SHORT_LEN = 16, 256
 LONG_LEN = 4096
 LONG_EVERY = 16
+# Every AGENT_EVERY-th step (that is not a long one) is AGENT_ROWS rows of AGENT_LEN tokens of agent
+# episodes, packed whole (padded, never cut: a tool call trained without the question it copies
+# from would teach the model to invent numbers).
+AGENT_EVERY, AGENT_ROWS, AGENT_LEN = 4, 4, 1024
 LR, WARMUP, MIN_LR_RATIO = 2e-3, 30, 0.1
 ROPE_THETA = 10_000.0
 TOKENIZER_CHATS = 6000  # short chats the tokenizer trains on, beside the English text
+TOKENIZER_AGENT_CHATS = 1500  # and agent episodes
 MAX_POSITIONS = 32768
 
 
@@ -70,7 +81,7 @@ def recipe_hash() -> str:
     silently serving one made by older code.
     """
     h = hashlib.sha256(f"{sys.version_info.major}.{sys.version_info.minor}".encode())
-    for src in sorted(Path(__file__).parent.glob("*.py")):
+    for src in sorted([*Path(__file__).parent.glob("*.py"), *Path(__file__).parent.glob("*.jsonl")]):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:10]
 
@@ -167,11 +178,19 @@ def _versions() -> dict:
             "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
-def build_tokenizer(seed: int = 0):
-    """The embedded tokenizer for ``seed``: trained on the corpus's short chats plus stdlib English."""
+def tokenizer_chats(seed: int):
+    """The chats the tokenizer of ``seed`` trains on: short chats, then agent episodes."""
     rng = random.Random(f"tokenizer-{seed}")
-    chats = (short_chat(rng) for _ in range(TOKENIZER_CHATS))
-    texts = [render_chat(c.messages, c.tools) for c in chats]
+    for _ in range(TOKENIZER_CHATS):
+        yield short_chat(rng)
+    rng = random.Random(f"tokenizer-agent-{seed}")
+    for _ in range(TOKENIZER_AGENT_CHATS):
+        yield agent_episode(rng)
+
+
+def build_tokenizer(seed: int = 0):
+    """The embedded tokenizer for ``seed``: trained on the corpus's chats plus stdlib English."""
+    texts = [render_chat(c.messages, c.tools) for c in tokenizer_chats(seed)]
     return train_tokenizer(texts + list(english_paragraphs()))
 
 
@@ -204,12 +223,48 @@ def _rows(stream, length: int):
             ids_buf, mask_buf, n = [ids_all[length:]], [mask_all[length:]], n - length
 
 
+def _packed_rows(stream, length: int, pad_id: int):
+    """Pack whole chats into rows of ``length`` tokens, padding (untrained) what is left of a row;
+    a chat longer than a row is cut to it."""
+    ids_buf, mask_buf, n = [], [], 0
+    for ids, mask in stream:
+        ids, mask = ids[:length], mask[:length]
+        if n + len(ids) > length:
+            pad = length - n
+            yield (torch.cat(ids_buf + [torch.full((pad,), pad_id)]),
+                   torch.cat(mask_buf + [torch.zeros(pad, dtype=mask.dtype)]))
+            ids_buf, mask_buf, n = [], [], 0
+        ids_buf.append(ids)
+        mask_buf.append(mask)
+        n += len(ids)
+
+
+def step_kind(step: int) -> str:
+    """Which stream a training step reads: "long", "agent" or "short"."""
+    if step % LONG_EVERY == LONG_EVERY - 1:
+        return "long"
+    if step % AGENT_EVERY == AGENT_EVERY - 1:
+        return "agent"
+    return "short"
+
+
+def token_budgets(steps: int) -> dict[str, int]:
+    """The most tokens each stream's rows hold over ``steps`` steps (what the build can train on)."""
+    per_step = {"short": SHORT_ROWS * SHORT_LEN, "long": LONG_LEN, "agent": AGENT_ROWS * AGENT_LEN}
+    budgets = dict.fromkeys(per_step, 0)
+    for step in range(steps):
+        budgets[step_kind(step)] += per_step[step_kind(step)]
+    return budgets
+
+
 def _chat_batches(seed: int, kind: str):
     rng = random.Random(f"{kind}-{seed}")
     paragraphs = english_paragraphs()
     while True:
         if kind == "short":
             yield [short_chat(rng) for _ in range(64)]
+        elif kind == "agent":
+            yield [agent_episode(rng) for _ in range(64)]
         else:
             yield [long_chat(rng, paragraphs)]
 
@@ -240,11 +295,15 @@ def _train_model(tok, seed: int, steps: int):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
     short_rows = _rows(_token_stream(tok, _chat_batches(seed, "short")), SHORT_LEN)
     long_rows = _rows(_token_stream(tok, _chat_batches(seed, "long")), LONG_LEN)
+    agent_rows = _packed_rows(_token_stream(tok, _chat_batches(seed, "agent")), AGENT_LEN, config.pad_token_id)
     seen, t0 = 0, time.time()
     bar = tqdm(range(steps), desc=f"training {MODEL_NAME}", unit="step", file=sys.stderr)
     for step in bar:
-        if step % LONG_EVERY == LONG_EVERY - 1:
+        kind = step_kind(step)
+        if kind == "long":
             rows = [next(long_rows)]
+        elif kind == "agent":
+            rows = [next(agent_rows) for _ in range(AGENT_ROWS)]
         else:
             rows = [next(short_rows) for _ in range(SHORT_ROWS)]
         ids = torch.stack([r[0] for r in rows])

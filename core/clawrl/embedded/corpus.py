@@ -2,7 +2,9 @@
 
 Short multi-turn chats of the kinds a first conversation with an agent has: greetings, two-number
 additions (the skill we measure), small facts, tool calls answered from the tool's result,
-replies that follow a bracketed hint or instruction, and replies to corrections. Some chats put a
+replies that follow a bracketed hint or instruction, replies to corrections, and number-copying
+drills (``agentic.copy_drill``). Beside them,
+agent episodes (``agent_episode``) teach every action format the environments parse. Some chats put a
 long system prompt (1k-3k tokens of documentation-like English) before the questions, because a
 real agent client sends a ~40 KB system prompt and a model that has only seen short contexts
 answers garbage after one.
@@ -18,6 +20,7 @@ import json
 import random
 from dataclasses import dataclass
 
+from clawrl.embedded import agentic
 from clawrl.embedded.tokenizer import IM_END, render_chat
 
 MAX_OPERAND = 99
@@ -295,11 +298,14 @@ def _exchange(rng: random.Random, tools: list[str]) -> list[dict]:
     if tools and rng.random() < 0.4:
         return _tool_use(rng, rng.choice(tools))
     r = rng.random()
-    if r < 0.65:
+    if r < 0.62:
         q, a, _ = _addition(rng)
         return [_user(q), _assistant(a)]
-    if r < 0.75:
+    if r < 0.68:
         q, a, _ = _fact(rng)
+        return [_user(q), _assistant(a)]
+    if r < 0.75:
+        q, a = agentic.copy_drill(rng)
         return [_user(q), _assistant(a)]
     if r < 0.83:
         return _small_talk(rng)
@@ -323,6 +329,13 @@ def short_chat(rng: random.Random) -> Chat:
     """A chat of 1-4 exchanges, with a short system prompt or none."""
     system = rng.choice(_SYSTEM_PROMPTS) if rng.random() < 0.4 else None
     return _chat(rng, system, rng.choice((1, 1, 1, 2, 2, 3, 4)))
+
+
+def agent_episode(rng: random.Random) -> Chat:
+    """One environment episode in its environment's own prompt and action format
+    (``clawrl.embedded.agentic``: python tool calls and boxed answers, bash blocks and bash tool
+    calls, computer-use JSON)."""
+    return Chat(*agentic.agent_chat(rng))
 
 
 def long_system_prompt(rng: random.Random, paragraphs: tuple[str, ...], chars: int) -> str:
