@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="keep the run directories under this directory")
     ap.add_argument("overrides", nargs="*", help="key=value for training (after --)")
     args = ap.parse_args(argv)
+    # stopped from outside (timeout, a scheduler): end as an exception, so subprocess.run kills the
+    # training server it waits on instead of leaving it running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="clawrl-env-learning-"))
     before, before_s = evaluate(args.recipe, None, [])
     print(f"untrained: {json.dumps(before)} ({before_s:.0f} s)", flush=True)
