@@ -166,6 +166,17 @@ def test_an_interrupted_group_is_rolled_out_again_where_it_stopped(stores, tmp_p
     store2.close()
 
 
+def test_an_interrupted_group_whose_task_is_gone_is_closed_not_rolled_as_another_task(stores):
+    store, buffer, episodes = stores
+    plan = episodes.next_group(TASKS, 2, gid, set())
+    episodes.start_episode(plan.group_id, 0, 1, TASKS[0], 1, 1.0)
+    episodes.abort_running()
+    fewer = TASKS[1:]  # the task set lost guess-7
+    again = episodes.next_group(fewer, 2, lambda i, r: group_id(Task(fewer[i]), r), set())
+    assert again.group_id != plan.group_id and again.position == plan.position + 1
+    assert episodes.counts()["groups"]["task_removed"] == 1
+
+
 def test_a_store_from_before_episodes_keeps_every_turn_sample_and_vote(tmp_path):
     store = TurnStore(tmp_path)
     store.register(TableSet(BUFFER.what, BUFFER.meta_key, BUFFER.migrations[:3]))  # the schema of a v3 store

@@ -116,13 +116,16 @@ class EpisodeStore:
                     "ORDER BY position").fetchall():
                 if gid in busy:
                     continue
+                if task_id not in task_ids:  # the task set changed since: its task is gone, and so is the group
+                    c.execute("UPDATE env_groups SET state = 'complete', outcome = 'task_removed', done_at = ? "
+                              "WHERE group_id = ?", (time.time(), gid))
+                    continue
                 results = {m for (m,) in c.execute(
                     "SELECT member FROM episodes WHERE group_id = ? AND state IN ('finished', 'failed')", (gid,))}
                 attempts = dict(c.execute("SELECT member, MAX(attempt) FROM episodes WHERE group_id = ? "
                                           "GROUP BY member", (gid,)).fetchall())
                 members = [(m, attempts.get(m, 0) + 1) for m in range(gsize) if m not in results]
-                index = task_ids.index(task_id) if task_id in task_ids else position % len(task_ids)
-                return GroupPlan(gid, position, index, round_, gsize, members)
+                return GroupPlan(gid, position, task_ids.index(task_id), round_, gsize, members)
             position = c.execute("SELECT COALESCE(MAX(position) + 1, 0) FROM env_groups").fetchone()[0]
             round_, index = divmod(position, len(task_ids))
             gid = group_id_of(index, round_)

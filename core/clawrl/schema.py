@@ -199,7 +199,7 @@ EPISODES = TableSet("episodes", "episode_schema_version", (
         round       INTEGER NOT NULL,
         size        INTEGER NOT NULL,        -- env.group_size when it started
         state       TEXT NOT NULL CHECK (state IN ('rolling', 'complete')),
-        outcome     TEXT,                    -- kept, filtered_equal, too_few_healthy, no_samples
+        outcome     TEXT,                    -- kept, filtered_equal, too_few_healthy, none_healthy, task_removed
         created_at  REAL NOT NULL,
         done_at     REAL
     );
