@@ -53,9 +53,11 @@ def train(recipe: str, run_dir: Path, seed: int, steps: int, eval_every: int, ov
     started = time.monotonic()
     with open(run_dir / "serve.log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    if proc.returncode != 0:
-        tail = (run_dir / "serve.log").read_text().strip().splitlines()[-3:]
-        raise SystemExit(f"training failed ({proc.returncode}): {tail}")
+    log_text = (run_dir / "serve.log").read_text()
+    if proc.returncode != 0 or f"env.max_train_steps={steps} train steps done" not in log_text:
+        # a server stopped from outside also exits 0: only the line after the last step counts as done
+        raise SystemExit(f"training did not finish its {steps} steps (exit {proc.returncode}): "
+                         f"{log_text.strip().splitlines()[-3:]}")
     return time.monotonic() - started
 
 
