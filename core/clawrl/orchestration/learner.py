@@ -192,13 +192,8 @@ class Learner:
                 await asyncio.gather(self._task, return_exceptions=True)
                 finished = False
             self._task = None
-        # trainer.step == train_step: the trainer holds exactly the served weights of the last marked step
-        if finished and self.trainer is not None and self.train_step > self._saved_step \
-                and self.trainer.step == self.train_step:
-            log.info("stopping: saving train step %d (weight version %d), not yet checkpointed (train.save_every=%d)",
-                     self.train_step, self.sync.version, self.cfg.train.save_every)
-            await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
-            self._saved_step = self.train_step
+        if finished:
+            await self._save_unsaved(f"stopping, not yet checkpointed (train.save_every={self.cfg.train.save_every})")
         for worker in self.signals.workers:
             await worker.stop()
         for engine in self.signals.engines:
@@ -235,6 +230,15 @@ class Learner:
 
     # ---------------------------------------------------------------- the loop
 
+    async def _save_unsaved(self, why: str) -> None:
+        """Checkpoint the newest step if no checkpoint holds it yet. Only while the trainer holds
+        exactly the served weights of the last marked step (trainer.step == train_step)."""
+        if self.trainer is None or self.train_step <= self._saved_step or self.trainer.step != self.train_step:
+            return
+        log.info("%s: saving train step %d (weight version %d)", why, self.train_step, self.sync.version)
+        await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
+        self._saved_step = self.train_step
+
     def _done(self) -> bool:
         """env.max_train_steps steps are trained."""
         cap = self.cfg.env.max_train_steps
@@ -247,11 +251,7 @@ class Learner:
     async def _finish(self) -> None:
         if self.rollouts is not None:
             await self.rollouts.stop()
-        if self.trainer.step == self.train_step and self.train_step > self._saved_step:
-            await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
-            self._saved_step = self.train_step
-            log.info("env.max_train_steps=%d reached: saved train step %d (weight version %d)",
-                     self.cfg.env.max_train_steps, self.train_step, self.sync.version)
+        await self._save_unsaved(f"env.max_train_steps={self.cfg.env.max_train_steps} reached")
         if self.eval_records and (self.last_eval is None or self.last_eval["train_step"] != self.train_step):
             await self.held_out_eval()
         if self.on_done is not None:
