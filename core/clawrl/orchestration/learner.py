@@ -253,7 +253,7 @@ class Learner:
             await self.rollouts.stop()
         await self._save_unsaved(f"env.max_train_steps={self.cfg.env.max_train_steps} reached")
         if self.eval_records and (self.last_eval is None or self.last_eval["train_step"] != self.train_step):
-            await self.held_out_eval()
+            await self._guarded_eval()  # a failed evaluation is logged; the run still ends
         if self.on_done is not None:
             self.on_done()
 
