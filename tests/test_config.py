@@ -46,6 +46,16 @@ def test_override_sets_typed_value():
     assert cfg.server.port == 1234 and cfg.model.path == "/models/x" and cfg.server.truncate_history is True
 
 
+def test_a_sweep_is_refused_rather_than_stored_as_its_repr():
+    """Hydra reads key=a,b as a sweep; stored as it was, server.api_key=k1,k2 became the text
+    "ChoiceSweep(..., list=['k1', 'k2'], simple_form=True, ...)", whose comma-separated pieces
+    (e.g. "simple_form=True") were then valid API keys. Quoted, the commas are the value's."""
+    for override in ("server.api_key=k1,k2", "train.lr=choice(1e-5,2e-5)", "seed=range(1,3)"):
+        with pytest.raises(ConfigError, match=r"is a sweep .*quote a value with commas"):
+            compose([override])
+    assert compose(["server.api_key='k1,k2'"]).server.api_key == "k1,k2"
+
+
 def test_unknown_key_is_refused_with_closest_names():
     with pytest.raises(ConfigError, match=r"unknown config key 'server.prot'.*server\.port"):
         compose(["server.prot=1"])

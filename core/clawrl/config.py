@@ -623,6 +623,10 @@ def _parse_overrides(overrides) -> list[tuple[str, Any]]:
             raise ConfigError(f"override '{ov.input_line}': only key=value is supported")
         if key not in known:
             raise ConfigError(f"unknown config key '{key}'{_suggest(key)}")
+        if ov.is_sweep_override():  # hydra reads key=a,b as a sweep; its repr would become the value
+            raise ConfigError(f"override '{ov.input_line}' is a sweep (unquoted commas, choice() or range()), "
+                              f"which clawrl does not run; quote a value with commas ({key}='a,b') or give a "
+                              f"list ({key}=[a,b])")
         dotlist.append((key, ov.value()))
     return dotlist
 
