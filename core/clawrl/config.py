@@ -118,6 +118,17 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class RateLimitConfig:
+    requests_per_minute: Optional[int] = option(None, "Requests to /v1 each caller (each server.api_key key; "
+                                                "without keys, all loopback clients together) may make per "
+                                                "minute; beyond it: 429 with Retry-After. null: no limit.", ge=1)
+    tokens_per_minute: Optional[int] = option(None, "Tokens each caller may use per minute: a chat request "
+                                              "reserves its prompt plus n * max_tokens and gets back what it "
+                                              "did not generate; beyond it: 429 with Retry-After (one request "
+                                              "larger than the whole limit: 400). null: no limit.", ge=1)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = option("127.0.0.1", "Address to listen on; anything but loopback requires server.api_key.",
                        nonempty=True)
@@ -132,6 +143,7 @@ class ServerConfig:
     truncate_history: bool = option(False, "Over-long prompts: false answers 400 context_length_exceeded; true "
                                     "keeps the system prompt and the latest turns that fit.")
     default_max_tokens: int = option(512, "Default max tokens for a completion when the client sends none.", ge=1)
+    rate_limit: RateLimitConfig = section(RateLimitConfig, "Per-caller limits on requests and tokens per minute.")
 
 
 @dataclass(frozen=True)

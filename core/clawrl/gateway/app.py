@@ -2,9 +2,9 @@
 
 The path of a chat request, top to bottom in this file:
 
-1. ``chat_completions``: auth, size-limited body, validation (``protocol``), model check,
-   session hints, prompt rendering (``render``), sampling params, admission (429 when the
-   queue is full), ``linker.begin`` (links the request into its session), and the engine
+1. ``chat_completions``: auth and requests per minute (``Gateway.caller``), size-limited body,
+   validation (``protocol``), model check, session hints, prompt rendering (``render``), sampling
+   params, the caller's tokens per minute (``rate_limits``), admission (429 when the queue is full), ``linker.begin`` (links the request into its session), and the engine
    streams are opened (``Turn.open``: the engine validates ids and length up front).
 2. ``Turn.execute``: drives the engine streams, turns token chunks into text and tool-call
    events (``text.ChoiceDecoder``), and ``linker.record``s every choice *before* the caller
@@ -35,6 +35,7 @@ from clawrl.config import ClawrlConfig
 from clawrl.engines.base import ContextLengthExceeded, Engine, EngineError, SamplingParams, TokenChunk
 from clawrl.gateway.auth import AdminGuard, key_rings
 from clawrl.gateway.protocol import ApiError, ChatRequest, bad_request, parse_chat_request, parse_json_body
+from clawrl.gateway.rate_limits import RateLimiter, Reservation
 from clawrl.gateway.render import RenderedPrompt, context_error, render_prompt
 from clawrl.gateway.streaming import DONE, ChunkMaker, SSEResponse, error_event, until_disconnect, usage
 from clawrl.gateway.text import ChoiceDecoder, logprob_entry
@@ -134,7 +135,7 @@ class Choice:
 
 
 class Gateway:
-    """What every request needs: config, engine, tokenizer, linker, keys, admission."""
+    """What every request needs: config, engine, tokenizer, linker, keys, rate limits, admission."""
 
     def __init__(self, cfg: ClawrlConfig, engine: Engine, linker: SessionLinker):
         self.cfg, self.engine, self.linker = cfg, engine, linker
@@ -146,10 +147,17 @@ class Gateway:
         if not self.admin_keys.keys:
             log.info("server.admin_key is unset: /admin answers loopback clients only")
         self.admission = Admission(cfg.engine.max_batch_size, cfg.server.max_queue)
+        self.rate_limits = RateLimiter(cfg.server.rate_limit, self.api_keys.keys)
         self.created = int(time.time())
         # Extra /admin/status sections from the layers above (e.g. training); each is a synchronous
         # callable returning a dict, run off the event loop. The gateway knows nothing of them.
         self.status_sections: list = []
+
+    def caller(self, request: Request) -> str | None:
+        """The caller's key (None: no keys are configured), after auth and its requests per minute."""
+        key = self.api_keys.check(request.headers.get("authorization"))
+        self.rate_limits.check_request(key)
+        return key
 
     def fingerprint(self) -> str:
         return f"clawrl-w{self.engine.model_info().weight_version}"
@@ -167,8 +175,9 @@ class Turn:
     """One chat request from its linked plan to its recorded turn(s); holds ``n`` admission slots."""
 
     def __init__(self, gw: Gateway, req: ChatRequest, prompt: RenderedPrompt, plan: TurnPlan,
-                 params: SamplingParams):
+                 params: SamplingParams, tokens: Reservation):
         self.gw, self.req, self.prompt, self.plan, self.params = gw, req, prompt, plan, params
+        self.tokens = tokens
         self.id = "chatcmpl-" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.choices = [
@@ -256,10 +265,11 @@ class Turn:
         await self._record("complete")
 
     def release(self) -> None:
-        """Give back the admission slots (once)."""
+        """Give back the admission slots and the tokens reserved but not generated (once)."""
         if not self._released:
             self._released = True
             self.gw.admission.release(self.req.n)
+            self.tokens.settle(len(self.prompt.ids) + sum(len(c.token_ids) for c in self.choices))
 
     async def abort_unfinished(self) -> None:
         for c in self.choices[: len(self._streams)]:
@@ -486,19 +496,19 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
 
     @app.get("/v1/models")
     async def models(request: Request):
-        gw.api_keys.check(request.headers.get("authorization"))
+        gw.caller(request)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
-        gw.api_keys.check(request.headers.get("authorization"))
+        gw.caller(request)
         if model_id != gw.model_name:
             raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
         return model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        caller_key = gw.api_keys.check(request.headers.get("authorization"))
+        caller_key = gw.caller(request)
         body = parse_json_body(await read_body(request, cfg.server.max_body_bytes))
         req = parse_chat_request(body)
         if req.model != gw.model_name:
@@ -507,17 +517,23 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         hints = _hints(request, body)
         prompt = render_prompt(gw.tokenizer, req, gw.max_context, cfg.server.truncate_history)
         params = gw.sampling(req, len(prompt.ids))
-        await gw.admission.acquire(req.n)
+        tokens = gw.rate_limits.reserve(caller_key, len(prompt.ids) + req.n * params.max_new_tokens)
+        try:
+            await gw.admission.acquire(req.n)
+        except BaseException:
+            tokens.settle(0)
+            raise
         turn = None
         try:
             plan = await asyncio.to_thread(linker.begin, body["messages"], body.get("tools"),
                                            caller_key=caller_key, user=req.user, hints=hints)
-            turn = Turn(gw, req, prompt, plan, params)
+            turn = Turn(gw, req, prompt, plan, params, tokens)
             turn.open()
         except BaseException as e:
             if turn is not None:
                 await turn.abort_unfinished()
             gw.admission.release(req.n)
+            tokens.settle(0)
             if isinstance(e, SessionInputError):
                 raise bad_request(str(e), code="invalid_session") from None
             raise
