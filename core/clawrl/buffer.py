@@ -83,7 +83,7 @@ from clawrl.config import TrainConfig
 from clawrl.losses import GROUP_MODES, RunningBaseline, group_advantages
 from clawrl.samples import Sample
 from clawrl.schema import BUFFER
-from clawrl.store import TurnStore, unpack
+from clawrl.store import TurnStore, load_messages, load_prompt, unpack
 from clawrl.weight_lineage import lag_counter
 
 log = logging.getLogger(__name__)
@@ -202,13 +202,14 @@ class RolloutBuffer:
         with self.store.transaction() as c:
             scan_from = int(self._meta(c, _META_SCAN) or 0)
             rows = c.execute(
-                "SELECT turn_id, turn_type, trainable, untrainable_reason, close_reason, prompt_ids, request_key "
-                "FROM turns t WHERE turn_id >= ? AND close_reason IS NOT NULL "
+                "SELECT turn_id, turn_type, trainable, untrainable_reason, close_reason, prompt_ids, prompt_blobs, "
+                "request_key FROM turns t WHERE turn_id >= ? AND close_reason IS NOT NULL "
                 "AND NOT EXISTS (SELECT 1 FROM samples s WHERE s.turn_id = t.turn_id) ORDER BY turn_id",
                 (scan_from,),
             ).fetchall()
-            for turn_id, turn_type, trainable, reason, close_reason, prompt_blob, request_key in rows:
+            for turn_id, turn_type, trainable, reason, close_reason, inline, chunks, request_key in rows:
                 skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
+                prompt_blob = load_prompt(c, inline, chunks)
                 c.execute(
                     "INSERT INTO samples (source, source_id, turn_id, group_id, request_key, state, skip_reason, "
                     "created_at, done_at) VALUES ('turn', ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -283,11 +284,12 @@ class RolloutBuffer:
         out, relabelled = [], []
         rows = self.store.connection().execute(
             "SELECT s.sample_id, t.turn_id, t.turn_type, t.trainable, t.untrainable_reason, t.close_reason, "
-            "t.messages, t.history_len, t.response_text, t.tool_calls, t.next_state FROM samples s "
+            "t.messages, t.message_blobs, t.history_len, t.response_text, t.tool_calls, t.next_state FROM samples s "
             "JOIN turns t ON t.turn_id = s.turn_id "
             "WHERE s.state = 'pending' ORDER BY s.sample_id"
         )
-        for sid, turn_id, turn_type, trainable, reason, close_reason, messages, hist_len, text, calls, next_state in rows:
+        for (sid, turn_id, turn_type, trainable, reason, close_reason, messages, message_blobs, hist_len, text, calls,
+             next_state) in rows:
             if sid in exclude:
                 continue
             skip = turn_skip_reason(turn_type, trainable, reason, close_reason)
@@ -295,7 +297,8 @@ class RolloutBuffer:
                 relabelled.append((sid, skip))
                 continue
             out.append((sid, {
-                "turn_id": turn_id, "messages": json.loads(messages), "history_len": hist_len, "response_text": text,
+                "turn_id": turn_id, "messages": load_messages(self.store.connection(), messages, message_blobs),
+                "history_len": hist_len, "response_text": text,
                 "tool_calls": json.loads(calls) if calls else None, "next_state": json.loads(next_state),
             }))
             if len(out) >= limit:
@@ -740,13 +743,14 @@ class _Payloads:
 
     def _turn(self, turn_id: int) -> _Payload:
         row = self.c.execute("SELECT turn_type, trainable, untrainable_reason, close_reason, prompt_ids, "
-                             "response_ids, logprobs, weight_versions, temperature FROM turns WHERE turn_id = ?",
-                             (turn_id,)).fetchone()
+                             "prompt_blobs, response_ids, logprobs, weight_versions, temperature FROM turns "
+                             "WHERE turn_id = ?", (turn_id,)).fetchone()
         if row is None:
             raise KeyError(f"sample source turn {turn_id} is not in the store")
-        turn_type, trainable, reason, close_reason, p_blob, r_blob, lp_blob, v_blob, temperature = row
-        return _Payload(unpack(p_blob, "i"), unpack(r_blob, "i"), unpack(lp_blob, "d"), unpack(v_blob, "q") or [],
-                        temperature, skip=turn_skip_reason(turn_type, trainable, reason, close_reason))
+        turn_type, trainable, reason, close_reason, p_blob, p_chunks, r_blob, lp_blob, v_blob, temperature = row
+        prompt = unpack(load_prompt(self.c, p_blob, p_chunks), "i")
+        return _Payload(prompt, unpack(r_blob, "i"), unpack(lp_blob, "d"), unpack(v_blob, "q") or [], temperature,
+                        skip=turn_skip_reason(turn_type, trainable, reason, close_reason))
 
     def _episode(self, episode_id: int) -> tuple:
         if episode_id not in self._episodes:

@@ -89,6 +89,25 @@ CREATE TABLE corrections (
 """,
     # version 2: the temperature the turn's logprobs were taken at, so the trainer recomputes them alike
     "ALTER TABLE turns ADD COLUMN temperature REAL NOT NULL DEFAULT 1.0",
+    # version 3: content-addressed blobs (issue 20). Every request re-sends the whole conversation,
+    # an OpenClaw one with a 40 KB system prompt and 10 KB of tools, so each message, the tools list
+    # and each 256-token chunk of the prompt ids is stored once and a turn lists the blobs it is made
+    # of: message_blobs (JSON list of blob ids, in message order), tools_blob, prompt_blobs (JSON list
+    # of the blob ids of the prompt's token chunks). Turns written before keep their inline messages,
+    # tools and prompt_ids (the three new columns NULL) and are read as they are. A new turn's messages
+    # column holds '' and its tools and prompt_ids columns NULL (clawrl.store reassembles all three).
+    # (No comment may end an ALTER TABLE line: SQLite appends it to the table's stored CREATE text.)
+    """
+CREATE TABLE blobs (
+    blob_id INTEGER PRIMARY KEY,
+    digest  BLOB NOT NULL UNIQUE,        -- sha256 of the kind and the body
+    kind    TEXT NOT NULL CHECK (kind IN ('message', 'tools', 'ids')),
+    body    NOT NULL                     -- message, tools: JSON text. ids: packed int32 token ids
+);
+ALTER TABLE turns ADD COLUMN message_blobs TEXT;
+ALTER TABLE turns ADD COLUMN tools_blob INTEGER REFERENCES blobs(blob_id);
+ALTER TABLE turns ADD COLUMN prompt_blobs TEXT
+""",
 ))
 
 BUFFER = TableSet("rollout buffer", "buffer_schema_version", (

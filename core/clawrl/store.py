@@ -17,6 +17,17 @@ state and close reason, session, branch, parent turn, turn index, caller hash, t
 (created, completed, next_state_at) and the link keys (``request_key``, ``reply_key``) that make up
 the persisted session-link index.
 
+Content-addressed blobs (table ``blobs``, schema version 3): a client re-sends the whole
+conversation with every request, an OpenClaw one with a 40 KB system prompt and 10 KB of tools, and
+turn k's prompt ids repeat turn k-1's. So each message, the tools list and each
+``PROMPT_CHUNK_TOKENS``-token chunk of the prompt ids is stored once, keyed by its sha256, and a turn
+keeps the list of blobs it is made of (``message_blobs``, ``tools_blob``, ``prompt_blobs``): a long
+session grows by its new messages and tokens only. The blobs are written in the turn's own
+transaction, so a turn never points to a missing blob. Every read API (:meth:`TurnStore.get_turn`,
+:meth:`TurnStore.iter_turns`, and :func:`load_messages`, :func:`load_tools`, :func:`load_prompt` for
+modules with their own queries) reassembles exactly what was recorded; turns written before
+version 3 hold their messages, tools and prompt ids inline and are read as they are.
+
 Secrets: every stored string passes through ``clawrl.redact``. A turn whose prompt or response held
 a secret is stored with ``trainable=0, reason='secret_redacted'`` and *without* its token arrays
 (only their lengths): the ids decode back to the secret, and redacting them is impossible without
@@ -35,6 +46,7 @@ Admin functions (the gateway wraps them in HTTP): :meth:`TurnStore.status_counts
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -55,6 +67,11 @@ from clawrl.schema import TURNS, TableSet
 log = logging.getLogger(__name__)
 
 STORE_FILENAME = "clawrl.sqlite"
+# Prompt ids are stored in chunks of this many tokens. Turn k's prompt repeats turn k-1's, so every
+# chunk before the first token that differs is shared; a turn re-stores at most the chunk where
+# they part. Smaller chunks waste less there but make longer blob lists. Changing it is safe: a
+# turn lists its own chunks.
+PROMPT_CHUNK_TOKENS = 256
 TURN_STATUSES = ("complete", "aborted", "error")
 TURN_TYPES = ("main", "side")
 RELABELS = ("main", "side", "excluded")
@@ -126,6 +143,73 @@ def _dumps(value) -> str:
 
 def _loads(text: Optional[str]):
     return None if text is None else json.loads(text)
+
+
+# --- content-addressed blobs ---------------------------------------------------------------------
+
+_Blob = tuple[bytes, str, object]  # (digest, kind, body)
+
+
+def _blob(kind: str, body: str | bytes) -> _Blob:
+    raw = body.encode() if isinstance(body, str) else body
+    return hashlib.sha256(kind.encode() + b"\0" + raw).digest(), kind, body
+
+
+def _prompt_chunks(prompt_ids: Sequence[int]) -> list[_Blob]:
+    return [_blob("ids", pack(prompt_ids[i : i + PROMPT_CHUNK_TOKENS], "i"))
+            for i in range(0, len(prompt_ids), PROMPT_CHUNK_TOKENS)]
+
+
+def _put_blobs(c: sqlite3.Connection, blobs: Sequence[_Blob]) -> list[int]:
+    """Inside the caller's write transaction: the blob id of each of ``blobs``, inserting those the
+    store lacks (one row per distinct content)."""
+    ids: dict[bytes, int] = {}
+    digests = list(dict.fromkeys(d for d, _, _ in blobs))
+    for i in range(0, len(digests), 500):  # SQLite's bound-parameter limit
+        chunk = digests[i : i + 500]
+        ids.update(c.execute(f"SELECT digest, blob_id FROM blobs WHERE digest IN ({','.join('?' * len(chunk))})",
+                             chunk))
+    for digest, kind, body in blobs:
+        if digest not in ids:
+            ids[digest] = c.execute("INSERT INTO blobs (digest, kind, body) VALUES (?, ?, ?)",
+                                    (digest, kind, body)).lastrowid
+    return [ids[d] for d, _, _ in blobs]
+
+
+def _blob_bodies(c: sqlite3.Connection, blob_ids: Sequence[int]) -> list:
+    """The bodies of ``blob_ids``, in their order (an id may repeat)."""
+    bodies: dict[int, object] = {}
+    distinct = list(dict.fromkeys(blob_ids))
+    for i in range(0, len(distinct), 500):
+        chunk = distinct[i : i + 500]
+        bodies.update(c.execute(f"SELECT blob_id, body FROM blobs WHERE blob_id IN ({','.join('?' * len(chunk))})",
+                                chunk))
+    missing = [b for b in distinct if b not in bodies]
+    if missing:  # the turn and its blobs are written in one transaction: this is a damaged file
+        raise StoreError(f"the turn store lacks blob(s) {', '.join(map(str, missing[:5]))} that a turn refers to")
+    return [bodies[b] for b in blob_ids]
+
+
+def load_messages(c: sqlite3.Connection, inline: str, message_blobs: Optional[str]) -> list:
+    """A turn's request messages from its ``messages`` and ``message_blobs`` columns (either layout)."""
+    if message_blobs is None:  # written before schema version 3
+        return json.loads(inline)
+    return [json.loads(body) for body in _blob_bodies(c, json.loads(message_blobs))]
+
+
+def load_tools(c: sqlite3.Connection, inline: Optional[str], tools_blob: Optional[int]) -> Optional[list]:
+    """A turn's tools from its ``tools`` and ``tools_blob`` columns (either layout); None: no tools."""
+    if tools_blob is None:
+        return _loads(inline)
+    return json.loads(_blob_bodies(c, [tools_blob])[0])
+
+
+def load_prompt(c: sqlite3.Connection, inline: Optional[bytes], prompt_blobs: Optional[str]) -> Optional[bytes]:
+    """A turn's packed prompt ids (``unpack(.., 'i')`` them) from its ``prompt_ids`` and
+    ``prompt_blobs`` columns (either layout); None: stored without tokens (a secret)."""
+    if prompt_blobs is None:
+        return inline
+    return b"".join(_blob_bodies(c, json.loads(prompt_blobs)))
 
 
 # --- records -------------------------------------------------------------------------------------
@@ -375,31 +459,34 @@ class TurnStore:
         if secret:
             log.warning("turn in session %s held a secret (%s); stored redacted, without tokens, untrainable",
                         rec.session_id, ", ".join(sorted(k1 | k2 | k3 | k4 | k5)))
-            blobs = (None, None, None, None)
+            arrays = (None, None, None)
         else:
-            blobs = (
-                pack(rec.prompt_ids, "i"),
-                pack(rec.response_ids, "i"),
-                pack(rec.logprobs, "d"),
-                pack(rec.weight_versions, "q"),
-            )
+            arrays = (pack(rec.response_ids, "i"), pack(rec.logprobs, "d"), pack(rec.weight_versions, "q"))
+        # Digests are computed here, outside the write lock; the transaction only looks them up.
+        message_blobs = [_blob("message", _dumps(m)) for m in messages]
+        tools_blob = None if tools is None else _blob("tools", _dumps(tools))
+        prompt_chunks = None if secret else _prompt_chunks(rec.prompt_ids)
         # A reply the client never received cannot be continued, so it gets no next state.
         close_reason = None if rec.status == "complete" else rec.status
         if close_reason is None and rec.session_done:
             close_reason = "session_done"
         closed_at = rec.completed_at if close_reason else None
         with self.transaction() as c:
+            message_ids = _put_blobs(c, message_blobs)
+            tools_id = None if tools_blob is None else _put_blobs(c, [tools_blob])[0]
+            chunk_ids = None if prompt_chunks is None else _put_blobs(c, prompt_chunks)
             cur = c.execute(
                 "INSERT INTO turns (session_id, branch_id, parent_turn_id, turn_index, caller_hash, link_rule, "
-                "turn_type, type_rule, status, trainable, untrainable_reason, messages, history_len, tools, "
-                "prompt_ids, response_ids, logprobs, weight_versions, prompt_tokens, response_tokens, "
-                "response_text, tool_calls, tool_parse_error, finish_reason, close_reason, created_at, "
-                "completed_at, next_state_at, request_key, reply_key, temperature) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "turn_type, type_rule, status, trainable, untrainable_reason, messages, message_blobs, "
+                "history_len, tools_blob, prompt_blobs, response_ids, logprobs, weight_versions, prompt_tokens, "
+                "response_tokens, response_text, tool_calls, tool_parse_error, finish_reason, close_reason, "
+                "created_at, completed_at, next_state_at, request_key, reply_key, temperature) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     rec.session_id, rec.branch_id, rec.parent_turn_id, rec.turn_index, rec.caller_hash,
                     rec.link_rule, rec.turn_type, rec.type_rule, rec.status, trainable, reason,
-                    _dumps(messages), rec.history_len, None if tools is None else _dumps(tools), *blobs,
+                    "", _dumps(message_ids), rec.history_len, tools_id,
+                    None if chunk_ids is None else _dumps(chunk_ids), *arrays,
                     len(rec.prompt_ids), n, response_text,
                     None if tool_calls is None else _dumps(tool_calls), parse_error, rec.finish_reason,
                     close_reason, rec.created_at, rec.completed_at, closed_at, rec.request_key,
@@ -470,7 +557,7 @@ class TurnStore:
         "response_text", "tool_calls", "tool_parse_error", "finish_reason", "next_state", "close_reason",
         "created_at", "completed_at", "next_state_at",
     )
-    _JSON_COLUMNS = ("tool_calls", "next_state", "messages", "tools")
+    _JSON_COLUMNS = ("tool_calls", "next_state")
 
     def _turn_dicts(self, columns: Sequence[str], where: str, params: tuple) -> Iterator[dict]:
         rows = self.connection().execute(f"SELECT {', '.join(columns)} FROM turns {where} ORDER BY turn_id", params)
@@ -517,11 +604,14 @@ class TurnStore:
 
     def _full_turns(self, where: str, params: tuple) -> Iterator[dict]:
         columns = self._SUMMARY_COLUMNS + (
-            "caller_hash", "messages", "history_len", "tools", "prompt_ids", "response_ids", "logprobs",
-            "weight_versions", "temperature",
+            "caller_hash", "messages", "message_blobs", "history_len", "tools", "tools_blob", "prompt_ids",
+            "prompt_blobs", "response_ids", "logprobs", "weight_versions", "temperature",
         )
+        c = self.connection()
         for d in self._turn_dicts(columns, where, params):
-            d["prompt_ids"] = unpack(d["prompt_ids"], "i")
+            d["messages"] = load_messages(c, d["messages"], d.pop("message_blobs"))
+            d["tools"] = load_tools(c, d["tools"], d.pop("tools_blob"))
+            d["prompt_ids"] = unpack(load_prompt(c, d["prompt_ids"], d.pop("prompt_blobs")), "i")
             d["response_ids"] = unpack(d["response_ids"], "i")
             d["logprobs"] = unpack(d["logprobs"], "d")
             d["weight_versions"] = unpack(d["weight_versions"], "q")

@@ -50,7 +50,7 @@ from clawrl.judges.base import JudgeInput
 from clawrl.judges.hints import HintJudge, HintVerdict
 from clawrl.samples import Sample, TeacherSignal
 from clawrl.schema import OPD
-from clawrl.store import TurnStore, pack, unpack
+from clawrl.store import TurnStore, load_messages, load_prompt, load_tools, pack, unpack
 from clawrl.workers import PollingWorker
 
 log = logging.getLogger(__name__)
@@ -136,16 +136,17 @@ class OpdStore:
         """Up to ``limit`` closed turns that could train and have no hint verdict yet, oldest first."""
         exclude = set(exclude)
         rows = self.store.connection().execute(
-            "SELECT turn_id, turn_type, trainable, untrainable_reason, close_reason, messages, history_len, "
-            "response_text, tool_calls, next_state FROM turns t WHERE close_reason = 'next_state' "
+            "SELECT turn_id, turn_type, trainable, untrainable_reason, close_reason, messages, message_blobs, "
+            "history_len, response_text, tool_calls, next_state FROM turns t WHERE close_reason = 'next_state' "
             "AND turn_type = 'main' AND trainable = 1 "
             "AND NOT EXISTS (SELECT 1 FROM opd_hints h WHERE h.turn_id = t.turn_id) ORDER BY turn_id")
         out = []
-        for turn_id, turn_type, trainable, reason, close, messages, hist, text, calls, next_state in rows:
+        for turn_id, turn_type, trainable, reason, close, messages, blobs, hist, text, calls, next_state in rows:
             if turn_id in exclude or turn_skip_reason(turn_type, trainable, reason, close):
                 continue
             out.append(JudgeInput.from_turn({
-                "turn_id": turn_id, "messages": json.loads(messages), "history_len": hist, "response_text": text,
+                "turn_id": turn_id, "messages": load_messages(self.store.connection(), messages, blobs),
+                "history_len": hist, "response_text": text,
                 "tool_calls": json.loads(calls) if calls else None, "next_state": json.loads(next_state)}))
             if len(out) >= limit:
                 break
@@ -180,14 +181,16 @@ class OpdStore:
 
     def turn(self, turn_id: int) -> dict:
         """What the teacher needs of a turn: messages, history length, tools, prompt and response ids."""
-        row = self.store.connection().execute(
-            "SELECT messages, history_len, tools, prompt_ids, response_ids FROM turns WHERE turn_id = ?",
-            (turn_id,)).fetchone()
+        c = self.store.connection()
+        row = c.execute(
+            "SELECT messages, message_blobs, history_len, tools, tools_blob, prompt_ids, prompt_blobs, response_ids "
+            "FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
         if row is None:
             raise KeyError(f"no turn with id {turn_id}")
-        return {"turn_id": turn_id, "messages": json.loads(row[0]), "history_len": row[1],
-                "tools": json.loads(row[2]) if row[2] else None, "prompt_ids": unpack(row[3], "i"),
-                "response_ids": unpack(row[4], "i")}
+        messages, message_blobs, history_len, tools, tools_blob, prompt, prompt_blobs, response = row
+        return {"turn_id": turn_id, "messages": load_messages(c, messages, message_blobs), "history_len": history_len,
+                "tools": load_tools(c, tools, tools_blob),
+                "prompt_ids": unpack(load_prompt(c, prompt, prompt_blobs), "i"), "response_ids": unpack(response, "i")}
 
     def record_score(self, turn_id: int, teacher: str, prompt_ids: Sequence[int], result: ScoreResult,
                      topk: int) -> None:
