@@ -22,8 +22,12 @@ from pathlib import Path
 LOCK_FILENAME = "clawrl.lock"
 
 
-class RunDirBusy(RuntimeError):
-    """Another live process holds the run directory; the message is one line."""
+class RunDirError(RuntimeError):
+    """The run directory cannot be held; the message is one line."""
+
+
+class RunDirBusy(RunDirError):
+    """Another live process holds the run directory."""
 
 
 class RunDirLock:
@@ -34,8 +38,13 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Hold the lock; RunDirBusy when another process holds it, RunDirError when the directory
+        cannot be written (read-only, full, not a directory): a server could store nothing there."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"run_dir={self.path.parent} cannot be written: {_why(e)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -43,9 +52,13 @@ class RunDirLock:
             os.close(fd)
             raise RunDirBusy(f"run_dir={self.path.parent} is in use by another clawrl server (pid {holder}); "
                              "stop it first, or choose another run_dir=...") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            raise RunDirError(f"run_dir={self.path.parent} cannot be written: {_why(e)}") from None
         self._fd = fd
         return self
 
@@ -60,3 +73,8 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _why(e: OSError) -> str:
+    """An OSError in words an operator acts on ("read-only file system", "no space left on device")."""
+    return (e.strerror or str(e)).lower()

@@ -41,6 +41,7 @@ from clawrl.gateway.streaming import DONE, ChunkMaker, SSEResponse, error_event,
 from clawrl.gateway.text import ChoiceDecoder, logprob_entry
 from clawrl.gateway.toolcalls import Content, ToolCall
 from clawrl.sessions import InvalidTurnType, SessionHints, SessionInputError, SessionLinker, TurnPlan
+from clawrl.storage_faults import storage_fault
 from clawrl.store import UnknownTurn
 
 log = logging.getLogger(__name__)
@@ -368,6 +369,13 @@ def _as_api_error(e: BaseException) -> ApiError:
         return context_error(e.prompt_tokens, e.max_context)
     if isinstance(e, EngineError):
         return ApiError(503, f"the engine failed: {e}", type="server_error", code="engine_error")
+    fault = storage_fault(e)
+    if fault is not None:
+        log.error("the turn store could not be written: %s (%s); answering 507, nothing of the request is "
+                  "stored", fault, e)
+        return ApiError(507, f"the server cannot store this turn: {fault}; nothing of it was stored, and earlier "
+                        "turns are safe. Retry once the server's operator has freed space", type="server_error",
+                        code="storage_unavailable")
     ref = uuid.uuid4().hex[:8]
     log.error("internal error %s: %s", ref, e, exc_info=e)
     return ApiError(503, f"internal server error (logged as {ref})", type="server_error", code="internal_error")

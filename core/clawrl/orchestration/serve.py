@@ -33,7 +33,7 @@ from clawrl.gateway.auth import AuthConfigError, check_server_auth, parse_keys
 from clawrl.logs import setup_logging
 from clawrl.methods.registry import check_method
 from clawrl.orchestration.learner import attach_learning
-from clawrl.run_lock import RunDirBusy, RunDirLock
+from clawrl.run_lock import RunDirError, RunDirLock
 from clawrl.sessions import SessionLinker
 from clawrl.store import StoreError, TurnStore
 from clawrl.trainers.megatron.trainer import PROGRAM
@@ -127,7 +127,7 @@ def serve_cli(args) -> int:
     try:
         # held for the server's life: a second server on this run_dir would train the same samples again
         run_lock = RunDirLock(cfg.run_dir).acquire()
-    except RunDirBusy as e:
+    except RunDirError as e:  # busy, read-only, full
         raise CliError(str(e)) from None
     try:
         sock = bind_socket(cfg.server.host, cfg.server.port)
