@@ -156,8 +156,8 @@ def _blob(kind: str, body: str | bytes) -> _Blob:
 
 
 def _prompt_chunks(prompt_ids: Sequence[int]) -> list[_Blob]:
-    return [_blob("ids", pack(prompt_ids[i : i + PROMPT_CHUNK_TOKENS], "i"))
-            for i in range(0, len(prompt_ids), PROMPT_CHUNK_TOKENS)]
+    packed, step = pack(prompt_ids, "i"), 4 * PROMPT_CHUNK_TOKENS
+    return [_blob("ids", packed[i : i + step]) for i in range(0, len(packed), step)]
 
 
 def _put_blobs(c: sqlite3.Connection, blobs: Sequence[_Blob]) -> list[int]:
