@@ -35,8 +35,9 @@ from clawrl.methods.registry import check_method
 from clawrl.orchestration.learner import attach_learning
 from clawrl.run_lock import RunDirError, RunDirLock
 from clawrl.sessions import SessionLinker
-from clawrl.store import StoreError, TurnStore
+from clawrl.store import STORE_FILENAME, StoreError, TurnStore
 from clawrl.trainers.megatron.trainer import PROGRAM
+from clawrl.wal_check import check_wal
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ def _serve_on(sock: socket.socket, cfg) -> None:
     """Load the model, open the store, and serve on ``sock`` until SIGINT/SIGTERM."""
     try:
         engine = make_engine(cfg)
+        check_wal(Path(cfg.run_dir) / STORE_FILENAME)  # before SQLite's recovery rewrites the log
         store = TurnStore(cfg.run_dir)
     except (EngineError, StoreError) as e:
         raise CliError(str(e)) from None
