@@ -1,8 +1,8 @@
 """Crash campaign: kill -9 a serving, judging, training server at chosen moments, restart it on the
 same run directory, and check that nothing was lost (issue 20, item 1).
 
-    python benchmarks/reliability.py [--kills 30] [--seed 0] [--out benchmarks/results/reliability.json]
-                                     [key=value ...]
+    python benchmarks/reliability.py [--kills 30] [--sandbox-kills 10] [--seed 0]
+                                     [--out benchmarks/results/reliability.json] [key=value ...]
 
 A load thread keeps chatting through ``clawrl serve`` (method rl, the rules judge, a train step
 every two judged turns, a checkpoint every step): sessions of a question and the user's feedback,
@@ -13,7 +13,9 @@ after a random delay of a few milliseconds:
 - ``judge``: just after new samples entered the buffer, while they are judged;
 - ``train``: just after a batch was taken for a train step (the step, the swap or the save runs);
 - ``swap``: as the engine takes the new weights;
-- ``checkpoint``: as the step's checkpoint is being written.
+- ``checkpoint``: as the step's checkpoint is being written;
+- ``sandbox`` (a second server, on toolcall-rl with the embedded model, ``sandbox_campaign``):
+  while an episode's sandbox runs its python interpreter.
 
 After each kill, with the server dead, and again after the restart:
 
@@ -49,6 +51,7 @@ import httpx
 
 from clawrl.checkpoints import CheckpointStore, CorruptCheckpoint
 from clawrl.config import compose
+from clawrl.envs.sandbox_slots import pids_of_uid
 from clawrl.store import STORE_FILENAME, TurnStore
 
 MOMENTS = {  # moment -> (a line of the server's log that announces it, the most delay after it, s)
@@ -279,9 +282,83 @@ def campaign(run_dir: Path, kills: int, seed: int, overrides: list[str], log: Pa
     return results
 
 
+SANDBOX_OVERRIDES = ["env.name=toolcall", f"env.tasks={Path(__file__).resolve().parent.parent / 'toolcall-rl'}",
+                     "env.group_size=2", "env.groups_in_flight=2", "env.max_turns=3", "env.max_tokens_per_turn=64"]
+
+
+def sandbox_pids(uid_base: int = 61000, slots: int = 32) -> list[int]:
+    """Live processes of the sandbox uids (``sandbox.uid_base`` and ``sandbox.slots`` defaults)."""
+    return [p for uid in range(uid_base, uid_base + slots) for p in pids_of_uid(uid)]
+
+
+def episode_states(run_dir: Path) -> dict[int, str]:
+    with sqlite3.connect(run_dir / STORE_FILENAME) as c:
+        return dict(c.execute("SELECT episode_id, state FROM episodes").fetchall())
+
+
+def sandbox_campaign(run_dir: Path, kills: int, seed: int, overrides: list[str], log: Path,
+                     progress=print) -> list[dict]:
+    """Kill -9 while a toolcall-rl episode's sandbox (its persistent python interpreter, a tool
+    call) is running, as root (each sandbox has its own uid, which is how the moment is seen).
+    Checks: no sandbox process outlives the server, every finished episode stays as it was, every
+    running one is marked aborted on restart, no sample trains twice on the surviving line, the
+    served weights are a complete checkpoint, and rollouts resume (new episodes finish)."""
+    rng = random.Random(seed)
+    overrides = SANDBOX_OVERRIDES + list(overrides)
+    locked: dict[int, int] = {}
+    results = []
+    port = _free_port()
+    server = Server(run_dir, port, log, overrides)
+    try:
+        for k in range(kills):
+            deadline = time.monotonic() + 120
+            while not (hit := bool(sandbox_pids())) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0, 0.05))
+            server.kill()
+            problems = []
+            time.sleep(1.0)  # bwrap's --die-with-parent takes the namespace down with the server
+            if orphans := sandbox_pids():
+                problems.append(f"{len(orphans)} sandbox process(es) outlived the server")
+            before = episode_states(run_dir)
+            trained = trained_steps(run_dir)
+            problems += [f"sample {s} trained in step {step} was trained again (now step {trained.get(s)})"
+                         for s, step in locked.items() if trained.get(s) != step]
+
+            server = Server(run_dir, port, log, overrides)
+            resumed, version = server.resumed()
+            problems += [p for p in [served_weights_problem(run_dir, version)] if p]
+            locked.update({s: step for s, step in trained_steps(run_dir).items() if step <= resumed})
+            finished_before = sum(st in ("finished", "failed") for st in before.values())
+            deadline = time.monotonic() + 180
+            while True:
+                after = episode_states(run_dir)
+                done = sum(st in ("finished", "failed") for st in after.values())
+                if done > finished_before:
+                    break
+                if time.monotonic() > deadline:
+                    problems.append("no episode finished after the restart")
+                    break
+                time.sleep(0.2)
+            problems += [f"episode {e} was {st} and is now {after.get(e)}" for e, st in before.items()
+                         if st in ("finished", "failed") and after.get(e) != st]
+            problems += [f"episode {e} was running at the kill and is now {after.get(e)}"
+                         for e, st in before.items() if st == "running" and after.get(e) != "aborted"]
+            running = sum(st == "running" for st in before.values())
+            results.append({"kill": k + 1, "moment": "sandbox", "moment_seen": hit, "resumed_step": resumed,
+                            "served_version": version, "episodes_running_at_kill": running,
+                            "episodes_finished": finished_before, "problems": problems})
+            progress(f"sandbox kill {k + 1}/{kills}{'' if hit else ' (no sandbox seen)'}: {running} episode(s) "
+                     f"running, {finished_before} finished; resumed at step {resumed}: "
+                     + ("survived" if not problems else "; ".join(problems)))
+    finally:
+        server.kill()
+    return results
+
+
 def summary(results: list[dict]) -> list[dict]:
     rows = []
-    for moment in MOMENTS:
+    for moment in [*MOMENTS, "sandbox"]:
         mine = [r for r in results if r["moment"] == moment]
         if mine:
             rows.append({"moment": moment, "tried": len(mine), "moment_seen": sum(r["moment_seen"] for r in mine),
@@ -303,6 +380,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", help="where the run lives (default: a new temporary directory)")
     ap.add_argument("--out", default=str(Path(__file__).with_name("results") / "reliability.json"))
+    ap.add_argument("--sandbox-kills", type=int, default=10,
+                    help="kills during toolcall-rl episodes in their sandboxes (as root; 0: none)")
+    ap.add_argument("--sandbox-model", help="model.path of the sandbox campaign (default: the embedded model, "
+                    "which calls its python tool)")
     ap.add_argument("overrides", nargs="*", help="key=value for clawrl serve (model.path=..., ...)")
     args = ap.parse_args(argv)
     import tempfile
@@ -310,6 +391,11 @@ def main(argv=None) -> int:
     log = run_dir.parent / f"{run_dir.name}-serve.log"
     started = time.monotonic()
     results = campaign(run_dir, args.kills, args.seed, args.overrides, log)
+    if args.sandbox_kills:
+        env_dir = run_dir.with_name(run_dir.name + "-sandbox")
+        model = [f"model.path={args.sandbox_model}"] if args.sandbox_model else []
+        results += sandbox_campaign(env_dir, args.sandbox_kills, args.seed, model, env_dir.parent / (
+            env_dir.name + "-serve.log"))
     rows = summary(results)
     print("| moment | kills | moment seen | survived | lost |\n|---|---:|---:|---:|---:|")
     for r in rows:
