@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawrl.config import ClawrlConfig
 from clawrl.engines.base import ContextLengthExceeded, Engine, EngineError, SamplingParams, TokenChunk
+from clawrl.gateway import openapi
 from clawrl.gateway.auth import AdminGuard, key_rings
 from clawrl.gateway.protocol import ApiError, ChatRequest, bad_request, parse_chat_request, parse_json_body
 from clawrl.gateway.rate_limits import RateLimiter, Reservation
@@ -473,7 +474,8 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
             closer.cancel()
             await engine.shutdown()
 
-    app = FastAPI(title="clawrl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="clawrl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    openapi.install(app)  # the schemas of the raw-body routes, for schema-driven clients and fuzzers
     app.state.gateway = gw
     app.add_middleware(CatchAll)
     app.add_middleware(AdminGate, guard=gw.admin_guard)
@@ -502,19 +504,19 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         return {"id": gw.model_name, "object": "model", "created": gw.created, "owned_by": "clawrl",
                 "context_window": gw.max_context}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=openapi.MODELS)
     async def models(request: Request):
         gw.caller(request)
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", openapi_extra=openapi.MODEL_CARD)
     async def model(request: Request, model_id: str):
         gw.caller(request)
         if model_id != gw.model_name:
             raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
         return model_card()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.CHAT_COMPLETIONS)
     async def chat_completions(request: Request):
         caller_key = gw.caller(request)
         body = parse_json_body(await read_body(request, cfg.server.max_body_bytes))
@@ -579,7 +581,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
             raise ApiError(404, f"no session '{session_id}'", param="session_id", code="session_not_found")
         return session
 
-    @app.patch("/admin/turns/{turn_id}")
+    @app.patch("/admin/turns/{turn_id}", openapi_extra=openapi.RELABEL_TURN)
     async def admin_relabel(request: Request, turn_id: str):
         body = parse_json_body(await read_body(request, cfg.server.max_body_bytes))
         if not _TURN_ID.fullmatch(turn_id):  # ASCII digits that fit SQLite's INTEGER ("²".isdigit() too)
