@@ -401,7 +401,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['moment']} | {r['tried']} | {r['moment_seen']} | {r['survived']} | {r['lost']} |")
     out = {"kills": args.kills, "seed": args.seed, "overrides": args.overrides, "wall_s": round(time.monotonic() - started, 1),
-           "acked_turns": results[-1]["acked_turns"] if results else 0, "summary": rows, "results": results,
+           "acked_turns": max((r.get("acked_turns", 0) for r in results), default=0), "summary": rows, "results": results,
            "command": "python benchmarks/reliability.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
