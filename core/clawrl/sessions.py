@@ -108,6 +108,14 @@ class InvalidTurnType(SessionInputError):
 # --- headers -------------------------------------------------------------------------------------
 
 
+def _latin1(text: str) -> bool:
+    try:
+        text.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class SessionHints:
     """What the client said about the session, from headers (or body ``session_id``)."""
@@ -120,9 +128,12 @@ class SessionHints:
         if self.turn_type is not None and self.turn_type not in ("main", "side"):
             raise InvalidTurnType(f"X-Turn-Type must be 'main' or 'side', not {self.turn_type!r}")
         sid = self.session_id
+        # Latin-1: the id is echoed in the X-Session-Id response header, which can carry nothing else
+        # (a body session_id of "\u0100" once failed there, after the turn was stored, as a 503).
         if sid is not None and (not isinstance(sid, str) or not sid.strip() or len(sid) > _MAX_SESSION_ID
-                                or not sid.isprintable()):
-            raise SessionInputError(f"session id must be a printable string of 1-{_MAX_SESSION_ID} characters")
+                                or not sid.isprintable() or not _latin1(sid)):
+            raise SessionInputError(f"session id must be a printable Latin-1 string of 1-{_MAX_SESSION_ID} "
+                                    "characters (it is echoed in the X-Session-Id header)")
 
     @classmethod
     def from_request(cls, headers: Mapping[str, str], body: Mapping) -> "SessionHints":

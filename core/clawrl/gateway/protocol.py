@@ -151,7 +151,7 @@ def _text_content(content: Any, param: str, allow_none: bool = False) -> str | N
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in CONTENT_PART_UNSUPPORTED:
+        if isinstance(kind, str) and kind in CONTENT_PART_UNSUPPORTED:  # a list "type" is not hashable
             raise bad_request(
                 f"{CONTENT_PART_UNSUPPORTED[kind]} content parts ('{kind}') are not supported: this model reads text only",
                 param=p, code="unsupported_content",
@@ -214,7 +214,7 @@ def _messages(raw: Any) -> list[dict]:
         if not isinstance(m, dict):
             raise bad_request(f"'{p}' must be an object", param=p)
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list role is not hashable
             raise bad_request(f"'{p}.role' must be one of {sorted(ROLES)}", param=f"{p}.role")
         if role == "assistant":
             msg = {"role": "assistant", "content": _text_content(m.get("content"), f"{p}.content", allow_none=True)}
