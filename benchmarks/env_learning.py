@@ -109,20 +109,21 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--keep", help="keep the run directories under this directory")
-    ap.add_argument("overrides", nargs="*", help="key=value for training (after --)")
-    args = ap.parse_args(argv)
+    ap.add_argument("overrides", nargs="*", help="key=value for training and both evaluations (model.path=... "
+                    "evaluates that model), anywhere or after --")
+    args = ap.parse_intermixed_args(argv)  # key=value after the options, with or without --
     # stopped from outside (timeout, a scheduler): end as an exception, so subprocess.run kills the
     # training server it waits on instead of leaving it running
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="clawrl-env-learning-"))
-    before, before_s = evaluate(args.recipe, None, [])
+    before, before_s = evaluate(args.recipe, None, args.overrides)  # the model the runs train
     print(f"untrained: {json.dumps(before)} ({before_s:.0f} s)", flush=True)
     runs = []
     for seed in args.seeds:
         run_dir = base / f"{args.recipe}-seed{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)
         train_s = train(args.recipe, run_dir, seed, args.steps, args.eval_every, args.overrides)
-        after, after_s = evaluate(args.recipe, run_dir, [])
+        after, after_s = evaluate(args.recipe, run_dir, args.overrides)
         c = curves(run_dir)
         episodes = sum(p["episodes"] for p in c["steps"])
         run = {"seed": seed, "after": after, "train_s": round(train_s, 1), "eval_s": round(after_s, 1),

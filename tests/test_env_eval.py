@@ -25,7 +25,8 @@ from clawrl.envs.task_formats import TaskRecord
 from clawrl.errors import CliError
 from clawrl.orchestration.env_commands import resolve, split_records
 from clawrl.orchestration import evaluation
-from clawrl.orchestration.evaluation import evaluate, newest_complete_checkpoint, open_eval_engine
+from clawrl.orchestration.evaluation import (concurrency_beside_rollouts, default_concurrency, evaluate,
+                                             newest_complete_checkpoint, open_eval_engine)
 from clawrl.run_lock import RunDirBusy, RunDirLock
 from clawrl.samples import Sample
 from clawrl.trainers.torch_trainer import TorchTrainer
@@ -322,3 +323,15 @@ def test_an_engine_failure_ends_the_evaluation_in_one_line(monkeypatch, capsys):
     assert main([*EVAL, *SMALL]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.strip().splitlines()[-1] == "clawrl: the engine failed during the evaluation: engine stopped"
+
+
+def test_an_evaluation_during_training_leaves_the_rollouts_their_sandbox_slots():
+    """Beside 2 groups of 4 in flight, a periodic evaluation may hold 32 - 8 sandboxes: taking all
+    32 made the rollouts' episodes fail with 'all sandbox slots are in use' (found in a toolcall-rl
+    training run)."""
+    cfg = compose(["engine.max_batch_size=64", "sandbox.slots=32", "env.groups_in_flight=2", "env.group_size=4"])
+    assert default_concurrency(cfg) == 32 and concurrency_beside_rollouts(cfg) == 24
+    tight = compose(["sandbox.slots=8", "env.groups_in_flight=2", "env.group_size=4"])
+    assert concurrency_beside_rollouts(tight) == 1  # never zero: the evaluation still runs, one at a time
+    small_engine = compose(["engine.max_batch_size=4", "sandbox.slots=32"])
+    assert concurrency_beside_rollouts(small_engine) == 4

@@ -113,6 +113,15 @@ def default_concurrency(cfg: ClawrlConfig) -> int:
     return max(1, min(cfg.engine.max_batch_size, cfg.sandbox.slots))
 
 
+def concurrency_beside_rollouts(cfg: ClawrlConfig) -> int:
+    """Episodes at once of a held-out evaluation during training: what the rollouts leave of the
+    sandbox slots (``env.groups_in_flight`` groups of ``env.group_size`` episodes each hold one),
+    at least 1. Taking ``default_concurrency`` beside them asked for more slots than the host has,
+    and the rollouts' episodes then failed for want of a sandbox."""
+    rollouts = cfg.env.groups_in_flight * cfg.env.group_size
+    return max(1, min(cfg.engine.max_batch_size, cfg.sandbox.slots - rollouts))
+
+
 def episode_seed(base: int, index: int, n: int, play: int) -> int:
     """A distinct, reproducible sampling seed for play ``play`` of the ``index``-th task."""
     return (base * 1_000_003 + index * n + play) % (2 ** 31)

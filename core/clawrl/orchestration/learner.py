@@ -50,7 +50,7 @@ from clawrl.judges import JudgeError
 from clawrl.methods.base import SignalWorkers
 from clawrl.methods.registry import check_method, load_method
 from clawrl.metrics import MetricsLogger
-from clawrl.orchestration.evaluation import evaluate
+from clawrl.orchestration.evaluation import concurrency_beside_rollouts, evaluate
 from clawrl.orchestration.rollouts import RolloutWorker
 from clawrl.samples import Sample
 from clawrl.store import TurnStore
@@ -261,7 +261,8 @@ class Learner:
         """Greedy success on the held-out split with the weights served now (``evaluate``, the same
         function as ``clawrl env eval``), into the metrics as ``eval/*`` of the current step."""
         started = time.monotonic()
-        result = await evaluate(self.cfg, self.engine, self.eval_records, n=1, temperature=0.0)
+        result = await evaluate(self.cfg, self.engine, self.eval_records, n=1, temperature=0.0,
+                                concurrency=concurrency_beside_rollouts(self.cfg))
         figures = {f"eval/{k}": v for k, v in result.as_json().items()}
         figures["eval/seconds"] = round(time.monotonic() - started, 1)
         self.metrics.log_step(self.train_step, figures)
