@@ -357,3 +357,12 @@ def test_a_session_id_no_header_can_carry_is_a_400_before_anything_is_stored(ser
     r = client.post("/v1/chat/completions", json={"model": MODEL, "session_id": "café", "max_tokens": 2,
                                                   "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200 and r.headers["x-session-id"] == "café"
+
+
+def test_unhashable_role_or_part_type_is_a_400(client):
+    """Found by schemathesis' negative run: a list where a string is looked up in a set raised
+    TypeError, answered 503."""
+    for message, param in (({"role": ["user"], "content": "Hi"}, "messages[0].role"),
+                           ({"role": "user", "content": [{"type": ["text"], "text": "Hi"}]}, "messages[0].content[0]")):
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [message]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
