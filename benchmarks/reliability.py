@@ -286,9 +286,34 @@ SANDBOX_OVERRIDES = ["env.name=toolcall", f"env.tasks={Path(__file__).resolve().
                      "env.group_size=2", "env.groups_in_flight=2", "env.max_turns=3", "env.max_tokens_per_turn=64"]
 
 
-def sandbox_pids(uid_base: int = 61000, slots: int = 32) -> list[int]:
-    """Live processes of the sandbox uids (``sandbox.uid_base`` and ``sandbox.slots`` defaults)."""
-    return [p for uid in range(uid_base, uid_base + slots) for p in pids_of_uid(uid)]
+def sandbox_pids(server_pid: int, uid_base: int = 61000, slots: int = 32) -> set[int]:
+    """Live processes of the sandbox uids (``sandbox.uid_base`` and ``sandbox.slots`` defaults)
+    that descend from ``server_pid``: the slots are host-wide, and another server's sandboxes are
+    not this one's."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+
+    def descends(pid: int) -> bool:
+        for _ in range(64):
+            pid = parents.get(pid, 0)
+            if pid == server_pid:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    return {p for uid in range(uid_base, uid_base + slots) for p in pids_of_uid(uid) if descends(p)}
+
+
+def still_alive(pids: set[int], uid_base: int = 61000, slots: int = 32) -> set[int]:
+    """Those of ``pids`` that still run as a sandbox uid (a reused pid would have another uid)."""
+    return {p for uid in range(uid_base, uid_base + slots) for p in pids_of_uid(uid)} & pids
 
 
 def episode_states(run_dir: Path) -> dict[int, str]:
@@ -312,14 +337,15 @@ def sandbox_campaign(run_dir: Path, kills: int, seed: int, overrides: list[str],
     try:
         for k in range(kills):
             deadline = time.monotonic() + 120
-            while not (hit := bool(sandbox_pids())) and time.monotonic() < deadline:
+            while not (hit := bool(sandbox_pids(server.proc.pid))) and time.monotonic() < deadline:
                 time.sleep(0.005)
             time.sleep(rng.uniform(0, 0.05))
+            ours = sandbox_pids(server.proc.pid)
             server.kill()
             problems = []
             time.sleep(1.0)  # bwrap's --die-with-parent takes the namespace down with the server
-            if orphans := sandbox_pids():
-                problems.append(f"{len(orphans)} sandbox process(es) outlived the server")
+            if orphans := still_alive(ours):
+                problems.append(f"{len(orphans)} of its {len(ours)} sandbox process(es) outlived the server")
             before = episode_states(run_dir)
             trained = trained_steps(run_dir)
             problems += [f"sample {s} trained in step {step} was trained again (now step {trained.get(s)})"
