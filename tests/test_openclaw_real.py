@@ -183,7 +183,12 @@ def shape(turns: list[dict]) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    s = ClawrlServe(CLAWRL, tmp_path_factory.mktemp("clawrl-embedded"))
+    """The embedded default, greedy for requests that send no temperature (OpenClaw sends none).
+    At temperature 1 the tiny model starts about one reply in six on OpenClaw's prompt with a tool
+    call it cannot finish, or ends it at once; OpenClaw then sends a retry request of its own ("The
+    previous attempt did not produce a user-visible answer"), and a turn count became a matter of
+    sampling luck. Greedy, its first replies are plain text."""
+    s = ClawrlServe(CLAWRL, tmp_path_factory.mktemp("clawrl-embedded"), "server.default_temperature=0")
     yield s
     s.stop()
 

@@ -143,6 +143,8 @@ class ServerConfig:
     truncate_history: bool = option(False, "Over-long prompts: false answers 400 context_length_exceeded; true "
                                     "keeps the system prompt and the latest turns that fit.")
     default_max_tokens: int = option(512, "Default max tokens for a completion when the client sends none.", ge=1)
+    default_temperature: float = option(1.0, "Sampling temperature of a chat request that sends none (OpenAI's "
+                                        "default is 1); 0: greedy, for clients that cannot set one.", ge=0, le=2)
     rate_limit: RateLimitConfig = section(RateLimitConfig, "Per-caller limits on requests and tokens per minute.")
 
 

@@ -520,7 +520,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     async def chat_completions(request: Request):
         caller_key = gw.caller(request)
         body = parse_json_body(await read_body(request, cfg.server.max_body_bytes))
-        req = parse_chat_request(body)
+        req = parse_chat_request(body, cfg.server.default_temperature)
         if req.model != gw.model_name:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{gw.model_name}'",
                            param="model", code="model_not_found")

@@ -276,7 +276,7 @@ def _stop(raw: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def parse_chat_request(body: dict) -> ChatRequest:
+def parse_chat_request(body: dict, default_temperature: float = 1.0) -> ChatRequest:
     """Validate a chat-completions body; raises ``ApiError`` (400) naming the offending ``param``."""
     for key, value in body.items():
         if key in SUPPORTED:
@@ -307,7 +307,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
     return ChatRequest(
         model=model,
         messages=messages,
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        temperature=_number(body, "temperature", 0.0, 2.0, default_temperature),
         top_p=_number(body, "top_p", 1e-6, 1.0, 1.0),
         top_k=_int(body, "top_k", 0) or 0,
         max_tokens=max_tokens,
