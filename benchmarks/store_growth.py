@@ -107,18 +107,26 @@ def record_session(run_dir: Path, session: list[dict]) -> list[int]:
     return sizes
 
 
+def version_2_store(run_dir: Path) -> sqlite3.Connection:
+    """An empty store as clawrl wrote it before content-addressed blobs (turn schema version 2),
+    with the store's own settings (WAL, synchronous=FULL)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    c = sqlite3.connect(run_dir / STORE_FILENAME, isolation_level=None)
+    c.execute("PRAGMA journal_mode=WAL")
+    c.execute("PRAGMA synchronous=FULL")
+    for block in TURNS.migrations[:2]:
+        for stmt in block.split(";"):
+            if stmt.strip():
+                c.execute(stmt)
+    c.execute("PRAGMA user_version = 2")
+    return c
+
+
 def copy_to_inline_layout(src: Path, dst: Path) -> list[int]:
     """Write every turn of the store in ``src`` into a version-2 store in ``dst``, with messages, tools
     and prompt ids inline as version 2 wrote them; the file size after each turn."""
     dst.mkdir(parents=True)
-    old = sqlite3.connect(dst / STORE_FILENAME, isolation_level=None)
-    old.execute("PRAGMA journal_mode=WAL")
-    old.execute("PRAGMA synchronous=FULL")
-    for block in TURNS.migrations[:2]:
-        for stmt in block.split(";"):
-            if stmt.strip():
-                old.execute(stmt)
-    old.execute("PRAGMA user_version = 2")
+    old = version_2_store(dst)
     new = sqlite3.connect(src / STORE_FILENAME)
     for table in ("meta", "sessions", "branches"):
         rows = new.execute(f"SELECT * FROM {table}").fetchall()

@@ -19,7 +19,7 @@ from clawrl.config import TrainConfig
 from clawrl.methods.opd.teacher import OpdStore
 from clawrl.schema import TURNS
 from clawrl.sessions import SessionLinker
-from clawrl.store import PROMPT_CHUNK_TOKENS, STORE_FILENAME, StoreError, TurnRecord, TurnStore, pack
+from clawrl.store import PROMPT_CHUNK_TOKENS, StoreError, TurnRecord, TurnStore, pack
 from test_buffer import judge_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,15 +185,9 @@ def test_the_buffer_and_judges_read_the_reassembled_turns(tmp_path):
 
 
 def version_2_store(run_dir: Path) -> sqlite3.Connection:
-    """An empty store as clawrl wrote it before content-addressed blobs (turn schema version 2)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    c = sqlite3.connect(run_dir / STORE_FILENAME, isolation_level=None)
-    c.execute("PRAGMA journal_mode=WAL")
-    for block in TURNS.migrations[:2]:
-        for stmt in block.split(";"):
-            if stmt.strip():
-                c.execute(stmt)
-    c.execute("PRAGMA user_version = 2")
+    """An empty store as clawrl wrote it before content-addressed blobs (turn schema version 2),
+    with one session."""
+    c = store_growth.version_2_store(run_dir)
     c.execute("INSERT INTO sessions (session_id, caller_hash, source, created_at, last_seen_at) "
               "VALUES ('old', 'c', 'inferred', 0, 0)")
     c.execute("INSERT INTO branches (session_id, branch_id, created_at) VALUES ('old', 0, 0)")
