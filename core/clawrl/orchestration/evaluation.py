@@ -10,7 +10,8 @@ allows.
 Reading a run's checkpoints never takes the run's lock and never writes into the run directory:
 it works beside a live server that is training and saving there. A checkpoint that is incomplete
 or fails its checksums (a crash, a disk problem, a prune racing the read) is passed over for the
-next newest one, and the caller is told so.
+next newest one, and the caller is told so. ``clawrl export-model`` reads checkpoints with the same
+functions (``complete_checkpoint``, ``serving_weights``), so an export holds what an evaluation scores.
 """
 from __future__ import annotations
 
@@ -198,21 +199,42 @@ class RunWeights:
     checkpoint: Path
 
 
-def newest_complete_checkpoint(run_dir: str | Path, cfg: ClawrlConfig) -> tuple[Optional[RunWeights], list[str]]:
-    """``(weights, notes)`` of the newest checkpoint of ``run_dir`` whose files all match their
+@dataclass
+class RunCheckpoint:
+    """A complete checkpoint of a run as the trainer saved it: its trainer state (``state["weights"]``:
+    the full model, or the LoRA adapter alone; ``state["kind"]`` says which) and its weight version."""
+
+    state: dict
+    weight_version: int
+    checkpoint: Path
+
+
+def complete_checkpoint(run_dir: str | Path, version: Optional[int] = None
+                        ) -> tuple[Optional[RunCheckpoint], list[str]]:
+    """``(checkpoint, notes)``: the newest checkpoint of ``run_dir`` whose files all match their
     checksums, or ``(None, notes)`` when it has none. Read only: no lock, no write.
 
-    Checkpoints of a line abandoned by an applied rollback are not the run's weights and are
-    skipped. A directory that disappears while it is read was pruned by a live server that saved a
-    newer one meanwhile, so the listing is read again."""
+    Without ``version``, checkpoints of a line abandoned by an applied rollback are not the run's
+    weights and are skipped. With ``version``, the newest complete checkpoint saved at that weight
+    version (versions are never reused, so an abandoned line's version still names the weights that
+    were served under it). A directory that disappears while it is read was pruned by a live server
+    that saved a newer one meanwhile, so the listing is read again."""
     store = CheckpointStore(run_dir)
     for _ in range(_LISTING_RETRIES):
         notes: list[str] = []
         record = store.rollback_record()
         pruned = False
         for step in store.steps():
-            if store._abandoned(step, record):  # the store's own rule, so eval and resume agree
+            if version is None and store._abandoned(step, record):  # the store's own rule, so eval and resume agree
                 continue
+            if version is not None:
+                manifest = store.manifest(step)
+                if manifest is None:
+                    if store.path(step).exists():
+                        notes.append(f"checkpoint step_{step} has no readable manifest; passed over")
+                    continue
+                if manifest.get("weight_version") != version:
+                    continue
             try:
                 state, manifest = store.load(step)
             except (CorruptCheckpoint, OSError) as e:
@@ -222,32 +244,49 @@ def newest_complete_checkpoint(run_dir: str | Path, cfg: ClawrlConfig) -> tuple[
                 notes.append(f"checkpoint step_{step} is incomplete or corrupt ({_first_line(e)}); "
                              f"trying the one before it")
                 continue
-            state = _serving_weights(state, store.path(step), cfg)
-            return RunWeights(state, int(manifest["weight_version"]), store.path(step)), notes
+            return RunCheckpoint(state, int(manifest["weight_version"]), store.path(step)), notes
         if not pruned:
             return None, notes
     raise CliError(f"the checkpoints of {run_dir} kept changing while they were read; try again")
 
 
-def _serving_weights(state: dict, path: Path, cfg: ClawrlConfig) -> dict[str, torch.Tensor]:
+def newest_complete_checkpoint(run_dir: str | Path, cfg: ClawrlConfig) -> tuple[Optional[RunWeights], list[str]]:
+    """``(weights, notes)`` of the newest complete checkpoint of ``run_dir`` (``complete_checkpoint``)
+    as the trainer served them, or ``(None, notes)`` when it has none. Read only: no lock, no write."""
+    found, notes = complete_checkpoint(run_dir)
+    if found is None:
+        return None, notes
+    return RunWeights(serving_weights(found.state, found.checkpoint, cfg), found.weight_version,
+                      found.checkpoint), notes
+
+
+def serving_weights(state: dict, path: Path, cfg: ClawrlConfig,
+                    command: str = "clawrl env eval") -> dict[str, torch.Tensor]:
     """HF-named weights to serve from a checkpoint's trainer state. A full checkpoint holds them as
     they are; a LoRA one holds the adapter, which the torch trainer merges into the base model
-    exactly as it does when it pushes weights to a serving engine."""
+    exactly as it does when it pushes weights to a serving engine. ``command`` names the caller in
+    the refusal of megatron rank shards."""
     kind = state.get("kind")
     if kind == "full":
         return dict(state["weights"])
     if kind == "lora":
-        lora_cfg = dataclasses.replace(cfg.train, lora=dataclasses.replace(cfg.train.lora, enabled=True))
-        trainer_cfg = dataclasses.replace(cfg.trainer, backend="torch")
-        merge_cfg = dataclasses.replace(cfg, train=lora_cfg, trainer=trainer_cfg)
-        try:
-            trainer = make_trainer(merge_cfg, str(cfg.model.path))
-            trainer.load_state_dict(state)
-            return trainer.export_weights()
-        except TrainerError as e:
-            raise CliError(f"{path} holds a LoRA adapter that does not fit {cfg.model.path}: {e}") from None
+        return lora_trainer(state, path, cfg).export_weights()
     raise CliError(f"{path} holds {kind} weights (megatron rank shards resume only in a megatron run with the "
-                   "same layout); clawrl env eval reads torch-trainer checkpoints (full or LoRA)")
+                   f"same layout); {command} reads torch-trainer checkpoints (full or LoRA)")
+
+
+def lora_trainer(state: dict, path: Path, cfg: ClawrlConfig):
+    """A torch trainer of ``cfg.model.path`` with the LoRA checkpoint ``state`` loaded (its
+    ``train.lora`` settings must be the run's: another rank is refused by shape)."""
+    lora_cfg = dataclasses.replace(cfg.train, lora=dataclasses.replace(cfg.train.lora, enabled=True))
+    trainer_cfg = dataclasses.replace(cfg.trainer, backend="torch")
+    merge_cfg = dataclasses.replace(cfg, train=lora_cfg, trainer=trainer_cfg)
+    try:
+        trainer = make_trainer(merge_cfg, str(cfg.model.path))
+        trainer.load_state_dict(state)
+    except TrainerError as e:
+        raise CliError(f"{path} holds a LoRA adapter that does not fit {cfg.model.path}: {e}") from None
+    return trainer
 
 
 def _first_line(e: BaseException) -> str:
