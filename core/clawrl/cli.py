@@ -13,6 +13,7 @@ from clawrl.embedded.build import build_cli
 from clawrl.engines.loading import ModelLoadError
 from clawrl.errors import CliError
 from clawrl.orchestration.env_commands import POLICIES, env_cli
+from clawrl.orchestration.export_model import export_model_cli
 from clawrl.orchestration.serve import serve_cli
 from clawrl.sessions_cli import export_cli, sessions_cli
 from clawrl.trainers.megatron.check_cli import check_parallel_cli
@@ -121,6 +122,22 @@ def _parser() -> argparse.ArgumentParser:
         p_.add_argument("target", metavar="NAME|PATH")
         p_.add_argument("overrides", nargs="*", help="key=value config overrides (env.*, sandbox.*, model.path, ...)")
 
+    xm = sub.add_parser("export-model", help="write a run's trained weights as a Hugging Face model directory",
+                        description="Write run D's checkpoint of weight version V (default: the newest complete "
+                                    "one) to DIR as a Hugging Face model directory: config, tokenizer and chat "
+                                    "template, generation config, model.safetensors, over the base model the run "
+                                    "trained (model.path: give the run's model and train.lora overrides). A LoRA "
+                                    "run's adapter is merged, or with --adapter saved unmerged in PEFT's format. "
+                                    "Reads D beside a live server, without its lock; nothing is written there.")
+    xm.add_argument("--run-dir", default=run_dir, metavar="D", help=run_dir_help)
+    xm.add_argument("--version", default=None, metavar="V",
+                    help="the weight version to export (default: the newest complete checkpoint)")
+    xm.add_argument("--out", required=True, metavar="DIR", help="the directory to write (new, or empty)")
+    xm.add_argument("--adapter", action="store_true",
+                    help="a LoRA run: write the adapter unmerged as a PEFT adapter directory")
+    xm.add_argument("overrides", nargs="*", help="key=value config overrides: model.path, train.lora.*, "
+                                                 "model.dtype (default: float32)")
+
     rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")
     rb.add_argument("--run-dir", default=run_dir, help=run_dir_help)
     rb.add_argument("--to", type=int, required=True, metavar="VERSION", help="the weight version to go back to")
@@ -142,7 +159,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     commands = {"model": build_cli, "chat": chat_cli, "serve": serve_cli, "sessions": sessions_cli, "export": export_cli,
-                "demo": demo_cli, "env": env_cli, "check-parallel": check_parallel_cli, "rollback": rollback_cli}
+                "demo": demo_cli, "env": env_cli, "check-parallel": check_parallel_cli, "rollback": rollback_cli,
+                "export-model": export_model_cli}
     try:
         return commands[args.cmd](args)
     except (CliError, ConfigError, ModelLoadError) as e:
