@@ -30,6 +30,9 @@ NOT_IN_CI = {
         "changes the user's OpenClaw; tests/test_openclaw_real.py installs the plugin into a throwaway OpenClaw home",
     "openclaw config set plugins.entries.rl-training-headers.hooks.allowConversationAccess true":
         "changes the user's OpenClaw; tests/test_openclaw_real.py sets it in a throwaway OpenClaw home",
+    "clawrl export-model --run-dir runs/default --out my-model":
+        "needs a checkpoint in runs/default, and the quick-start run has none when CI reaches this line "
+        "(train.save_every=10); tests/test_export_model.py runs the command on runs with checkpoints",
     "bash openclaw-combine/run.sh trainer.backend=megatron cluster.tp=4 model.path=/models/Qwen3-8B  # 4 GPUs":
         "needs 4 GPUs and /models/Qwen3-8B",
     "export NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1     export NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1":
