@@ -75,7 +75,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -570,14 +570,23 @@ class RolloutBuffer:
             return None, skip if skip != "stale" else f"stale (lag {lag})"
         c.execute("UPDATE samples SET state = 'consumed', weight_lag = ?, consumed_version = ?, consumed_at = ? "
                   "WHERE sample_id = ?", (lag, current_version, now, sid))
-        return Sample(
-            sample_id=sid, turn_id=turn_id or 0, group_id=group_id, prompt_ids=p.prompt_ids,
-            response_ids=p.response_ids, rollout_logprobs=p.logprobs, weight_versions=p.versions,
-            reward=float(reward), advantage=float(adv), loss_mask=p.loss_mask, rl_signal=bool(rl_signal),
-            extra={"weight_lag": lag, "judge_kind": kind, "temperature": p.temperature, "opd_state": opd_state,
-                   **p.extra},
-            source=source, source_id=source_id,
-        ), ""
+        return _sample(row, p, lag), ""
+
+    def recorded_batches(self) -> Iterator[tuple[int, int, int, list[Sample]]]:
+        """Read only: every recorded train step of the surviving lineage (table ``train_batches``), in
+        step order, as ``(train_step, consumed_version, trained_version, samples)``, the samples built
+        exactly as :meth:`take_batch` handed them to the trainer, in the same order (``clawrl replay``).
+        A relabel since the step does not change what it trained."""
+        c = self.store.connection()
+        steps = [r[0] for r in c.execute("SELECT DISTINCT train_step FROM train_batches ORDER BY train_step")]
+        columns = ", ".join(f"s.{col.strip()}" for col in _TAKE_COLUMNS.split(","))
+        for step in steps:
+            rows = c.execute(f"SELECT {columns}, b.weight_lag, b.consumed_version, b.trained_version "
+                             "FROM train_batches b JOIN samples s ON s.sample_id = b.sample_id "
+                             "WHERE b.train_step = ? ORDER BY b.position", (step,)).fetchall()
+            payloads = _Payloads(c)
+            samples = [_sample(r[:-3], payloads.of(r[1], r[2]), r[-3]) for r in rows]
+            yield step, rows[0][-2], rows[0][-1], samples
 
     def mark_trained(self, sample_ids: Sequence[int], train_step: int, weight_version: int) -> None:
         """Consumed samples were trained in ``train_step``, producing ``weight_version``. All or none."""
@@ -591,6 +600,13 @@ class RolloutBuffer:
                                  + ", ".join(f"{sid} is {st}" for sid, st in sorted(wrong.items())))
             c.executemany("UPDATE samples SET state = 'trained', train_step = ?, trained_version = ?, done_at = ? "
                           "WHERE sample_id = ?", [(train_step, weight_version, now, sid) for sid in ids])
+            # the batch as the trainer got it, in order, in the same transaction (clawrl replay)
+            first = c.execute("SELECT COALESCE(MAX(position) + 1, 0) FROM train_batches WHERE train_step = ?",
+                              (train_step,)).fetchone()[0]
+            c.executemany("INSERT INTO train_batches (train_step, position, sample_id, consumed_version, weight_lag, "
+                          "trained_version) SELECT ?, ?, sample_id, COALESCE(consumed_version, 0), "
+                          "COALESCE(weight_lag, 0), ? FROM samples WHERE sample_id = ?",
+                          [(train_step, first + i, weight_version, sid) for i, sid in enumerate(ids)])
         log.info("%d sample(s) trained in step %d -> weight version %d", len(ids), train_step, weight_version)
 
     def mark_skipped(self, sample_ids: Sequence[int], reason: str) -> None:
@@ -642,6 +658,8 @@ class RolloutBuffer:
             c.executemany("UPDATE samples SET state = 'ready', train_step = NULL, trained_version = NULL, "
                           "consumed_version = NULL, consumed_at = NULL, done_at = NULL, requeues = requeues + 1 "
                           "WHERE sample_id = ?", [(r[0],) for r in rows])
+            # the lost steps leave the record of train batches: it holds the surviving lineage only
+            c.execute("DELETE FROM train_batches WHERE train_step > ?", (checkpoint_step,))
         if rows:
             consumed = sum(r[1] == "consumed" for r in rows)
             log.info("restored checkpoint step %d: %d sample(s) back to ready (%d consumed untrained, %d trained "
@@ -692,6 +710,19 @@ class RolloutBuffer:
                                           (sample_id,))
         return [dict(zip(cols, r)) for r in rows]
 
+
+
+def _sample(row: tuple, p: "_Payload", lag: int) -> Sample:
+    """The trainer's sample from a ``_TAKE_COLUMNS`` row, its payload and its staleness at take time."""
+    sid, source, source_id, turn_id, group_id, reward, adv, kind, rl_signal, opd_state = row
+    return Sample(
+        sample_id=sid, turn_id=turn_id or 0, group_id=group_id, prompt_ids=p.prompt_ids,
+        response_ids=p.response_ids, rollout_logprobs=p.logprobs, weight_versions=p.versions,
+        reward=float(reward), advantage=float(adv), loss_mask=p.loss_mask, rl_signal=bool(rl_signal),
+        extra={"weight_lag": lag, "judge_kind": kind, "temperature": p.temperature, "opd_state": opd_state,
+               **p.extra},
+        source=source, source_id=source_id,
+    )
 
 
 _TAKE_COLUMNS = ("sample_id, source, source_id, turn_id, group_id, reward, advantage, judge_kind, rl_signal, "

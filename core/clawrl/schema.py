@@ -206,6 +206,22 @@ BUFFER = TableSet("rollout buffer", "buffer_schema_version", (
     CREATE INDEX samples_by_state ON samples (state, sample_id);
     CREATE INDEX samples_by_group ON samples (group_id, state);
     """,
+    # version 5: what each train step trained, in the order the trainer got it (clawrl replay). Written
+    # in the transaction that marks the samples trained; the rows of steps a restart lost (trained
+    # after the checkpoint it resumed) are deleted when their samples are requeued, so the table holds
+    # the surviving lineage only. A store migrated here from version 4 has no rows for the steps
+    # trained before: such a run cannot be replayed.
+    """
+    CREATE TABLE train_batches (
+        train_step       INTEGER NOT NULL,   -- the optimizer step (trainer.step after it)
+        position         INTEGER NOT NULL,   -- the sample's place in the batch the trainer got, from 0
+        sample_id        INTEGER NOT NULL REFERENCES samples(sample_id),
+        consumed_version INTEGER NOT NULL,   -- the weight version the step started from
+        weight_lag       INTEGER NOT NULL,   -- the sample's staleness at take time (Sample.extra)
+        trained_version  INTEGER NOT NULL,   -- the weight version the step produced
+        PRIMARY KEY (train_step, position)
+    );
+    """,
 ))
 
 EPISODES = TableSet("episodes", "episode_schema_version", (
