@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from clawrl.embedded import agentic, build
-from clawrl.embedded.corpus import agent_episode, chat_pieces
-from clawrl.embedded.tokenizer import render_chat
+from clawrl.embedded.corpus import agent_episode, chat_pieces, drill_episode
+from clawrl.embedded.tokenizer import TOOL_CALL_OPEN, render_chat
 from clawrl.envs import computer_use
 from clawrl.envs.base import Task
 from clawrl.envs.sandbox import open_sandbox
@@ -66,7 +66,7 @@ def test_the_build_trains_on_agent_episodes():
     budgets = build.token_budgets(build.DEFAULT_STEPS)
     assert budgets["agent"] >= budgets["short"] // 5
     kinds = Counter(build.step_kind(s) for s in range(48))
-    assert kinds == {"short": 36, "agent": 9, "long": 3}
+    assert kinds == {"short": 29, "agent": 9, "drill": 7, "long": 3}
     assert any(kind_of(c) == "toolcall" for c in next(build._chat_batches(0, "agent")))
 
 
@@ -209,3 +209,15 @@ def test_the_model_answers_a_gui_prompt_with_one_json_action(greedy, instruction
     action, error = computer_use.parse_action(greedy(messages, max_new_tokens=40))
     assert error is None and action["action"] in computer_use.ACTIONS, (action, error)
     assert kind is None or action["action"] == kind, action
+
+
+def test_a_drill_trains_the_whole_call_but_its_first_token():
+    """The drill teaches copying, not when to call: the call's opening <tool_call> gets no loss."""
+    chat = drill_episode(random.Random(3))
+    pieces = chat_pieces(chat)
+    trained = [t for t, on in pieces if on]
+    assert [t for t, on in pieces if t == TOOL_CALL_OPEN] and not any(on for t, on in pieces if t == TOOL_CALL_OPEN)
+    call = next(i for i, (t, _) in enumerate(pieces) if t == TOOL_CALL_OPEN)
+    assert pieces[call - 1][0].endswith("<|im_start|>assistant\n") and pieces[call + 1][1]
+    assert "".join(t for t, _ in pieces) == render_chat(chat.messages, chat.tools)
+    assert trained[0].startswith('\n{"name": "python"') and trained[1].startswith("\\boxed{")

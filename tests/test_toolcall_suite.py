@@ -128,7 +128,7 @@ def corpus_texts(seed: int = 0) -> Iterator[str]:
     """Every message text the embedded build of ``seed`` can train on (a superset: the chats of each
     stream, short, long and agent, up to the tokens its steps consume, plus the tokenizer's chats)."""
     budgets = build.token_budgets(build.DEFAULT_STEPS)
-    assert set(budgets) == {"short", "long", "agent"} and all(budgets.values())
+    assert set(budgets) == {"short", "long", "agent", "drill"} and all(budgets.values())
     for kind, budget in budgets.items():
         tokens = 0
         for batch in build._chat_batches(seed, kind):

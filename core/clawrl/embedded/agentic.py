@@ -29,7 +29,9 @@ the model learned the formats and *when* to call (greedy: a well-formed call on 
 remainder and date_diff test problem, a guess on most other templates), and it copies a problem's
 numbers into the code only sometimes: the greedy call is the exact solution on 12 of 30 tool-first
 train problems, and the box copies the tool's output on 31 of 50 (digits drift in long numbers).
-At 1300 steps the copies were almost never right. ``copy_drill`` practises that copying.
+At 1300 steps the copies were almost never right. ``copy_drill`` practises that copying, and
+``toolcall_drill`` practises whole calls without teaching when to call (BENCHMARKS.md, "Toolcall
+drills").
 """
 from __future__ import annotations
 
@@ -118,6 +120,20 @@ def toolcall_chat(rng: random.Random) -> tuple[list[dict], list[dict]]:
     else:
         messages.append(_assistant(f"\\boxed{{{_guess(rng, row)}}}"))
     return messages, [PYTHON_TOOL]
+
+
+def toolcall_drill(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """(messages, tools) of a toolcall-rl episode on a train problem that always calls the tool with
+    the exact solution and boxes its output, the call marked ``"train": "tail"``: its opening
+    ``<tool_call>`` is context (``corpus.chat_pieces``). These drills practise what the model gets
+    wrong once it has chosen to call (copying the problem's numbers into code, the output into the
+    box) without teaching it *when* to call: that choice is the first token, which the drill leaves
+    untrained, so ``tool_share`` alone still sets it and RL has a decision left to improve."""
+    row = rng.choice(toolcall_rows())
+    call = {"role": "assistant", "content": format_tool_call(row["solution"]), "train": "tail"}
+    return [{"role": "system", "content": INSTRUCTIONS}, _user(row["question"]), call,
+            {"role": "tool", "name": TOOL_NAME, "content": row["answer"]},
+            _assistant(f"\\boxed{{{row['answer']}}}")], [PYTHON_TOOL]
 
 
 _FILES = ("notes.txt", "data.csv", "log.txt", "todo.md", "main.py", "report.txt", "input.txt", "names.txt")

@@ -12,7 +12,8 @@ answers garbage after one.
 Everything is drawn from a ``random.Random`` seeded by the caller, so a seed gives the same
 corpus. Addition pairs for which ``is_held_out`` is true never appear, so evaluation measures
 adding, not recall. Assistant turns marked ``"train": False`` (the wrong answer a correction
-refers to) are context only and get no loss.
+refers to) are context only and get no loss; a tool call marked ``"train": "tail"``
+(``agentic.toolcall_drill``) gets loss on all but its opening ``<tool_call>`` token.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import random
 from dataclasses import dataclass
 
 from clawrl.embedded import agentic
-from clawrl.embedded.tokenizer import IM_END, render_chat
+from clawrl.embedded.tokenizer import IM_END, TOOL_CALL_OPEN, render_chat
 
 MAX_OPERAND = 99
 
@@ -338,6 +339,12 @@ def agent_episode(rng: random.Random) -> Chat:
     return Chat(*agentic.agent_chat(rng))
 
 
+def drill_episode(rng: random.Random) -> Chat:
+    """A toolcall-rl episode that calls the tool, trained on all but the call's first token
+    (``agentic.toolcall_drill``)."""
+    return Chat(*agentic.toolcall_drill(rng))
+
+
 def long_system_prompt(rng: random.Random, paragraphs: tuple[str, ...], chars: int) -> str:
     """About ``chars`` characters of agent-instruction-like markdown: a persona line, then sections
     of English paragraphs and bullet lists taken from ``paragraphs``."""
@@ -368,7 +375,9 @@ def chat_pieces(chat: Chat) -> list[tuple[str, bool]]:
     """The rendered chat cut into (text, trained) pieces: each trained piece is one assistant reply
     through its ``<|im_end|>``, exactly the tokens the model generates after the template's
     ``<|im_start|>assistant\\n``; everything else is context. Rendering prefixes with the real
-    template (rather than re-implementing it) keeps training and serving formats identical."""
+    template (rather than re-implementing it) keeps training and serving formats identical. A
+    ``"train": "tail"`` reply starts with ``<tool_call>`` (one special token, so cutting the text
+    there cuts the tokens there too); that tag is context and the rest is trained."""
     pieces: list[tuple[str, bool]] = []
     done = 0  # characters of the full rendering already cut into pieces
     for i, m in enumerate(chat.messages):
@@ -380,7 +389,13 @@ def chat_pieces(chat: Chat) -> list[tuple[str, bool]]:
             raise AssertionError("chat template is not prefix-stable; cannot cut assistant replies")
         reply = with_reply[len(prompt):]
         reply = reply[: reply.index(IM_END) + len(IM_END)]
-        pieces += [(prompt[done:], False), (reply, True)]
+        pieces.append((prompt[done:], False))
+        if m.get("train") == "tail":
+            if not reply.startswith(TOOL_CALL_OPEN):
+                raise ValueError(f'a "train": "tail" reply must start with {TOOL_CALL_OPEN}: {reply[:40]!r}')
+            pieces += [(TOOL_CALL_OPEN, False), (reply[len(TOOL_CALL_OPEN):], True)]
+        else:
+            pieces.append((reply, True))
         done = len(prompt) + len(reply)
     full = render_chat(chat.messages, chat.tools)
     if done < len(full):

@@ -23,7 +23,8 @@ from transformers.utils.chat_template_utils import render_jinja_template
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tools>", "</tools>", "<tool_response>", "</tool_response>")
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_TOKENS = (TOOL_CALL_OPEN, "</tool_call>", "<tools>", "</tools>", "<tool_response>", "</tool_response>")
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END) + TOOL_TOKENS
 DEFAULT_VOCAB_SIZE = 8192
 
