@@ -14,6 +14,7 @@ from clawrl.engines.loading import ModelLoadError
 from clawrl.errors import CliError
 from clawrl.orchestration.env_commands import POLICIES, env_cli
 from clawrl.orchestration.export_model import export_model_cli
+from clawrl.orchestration.replay import replay_cli
 from clawrl.orchestration.serve import serve_cli
 from clawrl.sessions_cli import export_cli, sessions_cli
 from clawrl.trainers.megatron.check_cli import check_parallel_cli
@@ -138,6 +139,18 @@ def _parser() -> argparse.ArgumentParser:
     xm.add_argument("overrides", nargs="*", help="key=value config overrides: model.path, train.lora.*, "
                                                  "model.dtype (default: float32)")
 
+    rp = sub.add_parser("replay", help="retrain a run's stored batches offline, in its order, into a new directory",
+                        description="Retrain, from the version-0 weights, the batches run D trained, in D's order, "
+                                    "batches and weight versions, into D2 (its own checkpoints and metrics.jsonl). "
+                                    "Give the run's own overrides (model.path, train.*, method); without others the "
+                                    "replay reproduces D's weights bit for bit at every checkpoint (torch trainer, "
+                                    "CPU); with others (train.lr=..., method=...) it is what online learning would "
+                                    "have done with the same batches. Reads D beside a live server, without its "
+                                    "lock; nothing is written there.")
+    rp.add_argument("--run-dir", default=run_dir, metavar="D", help=run_dir_help)
+    rp.add_argument("--out", required=True, metavar="D2", help="the directory to write (new, or empty)")
+    rp.add_argument("overrides", nargs="*", help="key=value config overrides: the run's own, then the ones to try")
+
     rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")
     rb.add_argument("--run-dir", default=run_dir, help=run_dir_help)
     rb.add_argument("--to", type=int, required=True, metavar="VERSION", help="the weight version to go back to")
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     commands = {"model": build_cli, "chat": chat_cli, "serve": serve_cli, "sessions": sessions_cli, "export": export_cli,
                 "demo": demo_cli, "env": env_cli, "check-parallel": check_parallel_cli, "rollback": rollback_cli,
-                "export-model": export_model_cli}
+                "export-model": export_model_cli, "replay": replay_cli}
     try:
         return commands[args.cmd](args)
     except (CliError, ConfigError, ModelLoadError) as e:

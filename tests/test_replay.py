@@ -1,0 +1,220 @@
+"""clawrl replay: a run's recorded train batches, retrained offline from the version-0 weights, give
+the run's weights bit for bit at every checkpoint (a crash and a resume included), beside a live
+server that holds the run's lock, writing nothing in it; overrides change what the replay trains;
+a changed record (a batch dropped, two steps swapped) no longer reproduces the run; bad input is a
+one-line error that leaves nothing behind."""
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clawrl.buffer import RolloutBuffer
+from clawrl.cli import main
+from clawrl.config import compose
+from clawrl.orchestration.replay import replay
+from clawrl.run_lock import RunDirLock
+from clawrl.store import TurnStore
+
+from gateway_support import ServerThread
+from test_learner import interaction, make_app, model_dir, wait_for  # noqa: F401  (model_dir: a fixture)
+
+RUN = ("train.batch_size=2", "train.lr=1e-2", "train.save_every=1", "train.keep_last=20",
+       "logging.wandb.mode=disabled", "engine.threads=1")
+FEEDBACK = [("Hi", "Thanks!"), ("Tell me a story about a cat.", "No, that's wrong."),
+            ("What is 2 + 2?", "Perfect, thanks."), ("Name a colour.", "That's not right."),
+            ("Say hello.", "Great, thank you."), ("Count to three.", "No, wrong.")]
+
+
+def replay_cfg(model_dir, *extra):
+    return compose([f"model.path={model_dir}", "model.name=tiny", *RUN, *extra])
+
+
+def train_steps(url, pairs, step):
+    for question, feedback in pairs:
+        interaction(url, question, feedback)
+    wait_for(url, lambda s: s["training"]["train_step"] >= step and s["training"]["samples"]["ready"] < 2)
+
+
+def checkpoint(run: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor of checkpoint ``step``: the weights and the optimizer state (the RNG state is left
+    out: the online run's process also sampled replies from it, and training draws nothing from it)."""
+    d = run / "checkpoints" / f"step_{step}"
+    out = {f"weights/{k}": v for k, v in load_file(str(d / "weights.safetensors")).items()}
+    state = torch.load(d / "trainer_state.pt", weights_only=True)
+    for pid, moments in state["optimizer"]["state"].items():
+        out.update({f"optimizer/{pid}/{k}": v for k, v in moments.items()})
+    out["step"] = torch.tensor(state["step"])
+    out["weight_version"] = torch.tensor(state["weight_version"])
+    return out
+
+
+def steps_of(run: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*"))
+
+
+def differing(a: Path, b: Path, step: int) -> list[str]:
+    x, y = checkpoint(a, step), checkpoint(b, step)
+    assert x.keys() == y.keys()
+    return [k for k in x if not torch.equal(x[k], y[k])]
+
+
+def snapshot_of(run: Path) -> dict[str, bytes]:
+    """What a replay must not touch in D: every file but SQLite's own shared-memory and log files."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and not p.name.endswith(("-shm", "-wal"))}
+
+
+@pytest.fixture(scope="module")
+def trained_run(model_dir, tmp_path_factory):
+    """Run D: three train steps with a checkpoint at each, then stopped."""
+    run = tmp_path_factory.mktemp("replay") / "D"
+    app, learner, store = make_app(model_dir, run, *RUN[2:])
+    with ServerThread(app) as srv:
+        for i in range(3):
+            train_steps(srv.url, FEEDBACK[2 * i:2 * i + 2], i + 1)
+    store.close()
+    assert steps_of(run) == [1, 2, 3]
+    return run
+
+
+def test_a_replay_beside_the_live_server_reproduces_every_checkpoint_bit_for_bit(model_dir, tmp_path):
+    run = tmp_path / "D"
+    app, learner, store = make_app(model_dir, run, *RUN[2:])
+    with ServerThread(app) as srv:
+        for i in range(3):
+            train_steps(srv.url, FEEDBACK[2 * i:2 * i + 2], i + 1)
+        with RunDirLock(run):  # what clawrl serve holds; the replay neither needs nor takes it
+            before = snapshot_of(run)
+            done = replay(replay_cfg(model_dir), run, tmp_path / "D2")
+            assert snapshot_of(run) == before  # nothing written in D
+    store.close()
+    out = tmp_path / "D2"
+    assert (done.steps, done.updated) == (3, 3)
+    assert steps_of(run) == steps_of(out) == done.checkpoints == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert differing(run, out, step) == [], step
+    # D2 is a run directory of its own: metrics per step (the same losses), its lock free again
+    online = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    replayed = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    loss = {m["step"]: m["loss"] for m in online if m["kind"] == "train_step"}
+    assert {m["step"]: m["loss"] for m in replayed if m["kind"] == "train_step"} == loss
+    RunDirLock(out).acquire().release()
+    assert json.loads((out / "replay.json").read_text())["recorded_steps"] == 3
+
+
+def test_a_run_killed_and_resumed_replays_bit_for_bit(model_dir, tmp_path):
+    run = tmp_path / "D"
+    app, learner, store = make_app(model_dir, run, *RUN[2:])
+    with ServerThread(app) as srv:
+        train_steps(srv.url, FEEDBACK[0:2], 1)
+        train_steps(srv.url, FEEDBACK[2:4], 2)
+    store.close()
+    # What kill -9 between step 2's weight push and its checkpoint leaves: step 2 trained and its samples
+    # marked, no checkpoint of it. The restart resumes step 1 and trains those samples again.
+    shutil.rmtree(run / "checkpoints" / "step_2")
+    app, learner, store = make_app(model_dir, run, *RUN[2:])
+    with ServerThread(app) as srv:
+        wait_for(srv.url, lambda s: s["training"]["train_step"] == 2)
+        train_steps(srv.url, FEEDBACK[4:6], 3)
+    store.close()
+    lost = [s for s in RolloutBuffer(TurnStore(run), compose([]).train).samples() if s["requeues"]]
+    assert len(lost) == 2 and all(s["state"] == "trained" and s["train_step"] >= 2 for s in lost)
+
+    out = tmp_path / "D2"
+    assert main(["replay", "--run-dir", str(run), "--out", str(out), f"model.path={model_dir}", "model.name=tiny",
+                 *RUN]) == 0
+    assert steps_of(run) == steps_of(out) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert differing(run, out, step) == [], step
+
+
+def test_overrides_change_what_the_replay_trains_and_only_there(model_dir, trained_run, tmp_path):
+    before = snapshot_of(trained_run)
+    done = replay(replay_cfg(model_dir, "train.lr=1e-3"), trained_run, tmp_path / "D2")
+    assert snapshot_of(trained_run) == before
+    assert done.checkpoints == [1, 2, 3]
+    assert any(k.startswith("weights/") for k in differing(trained_run, tmp_path / "D2", 1))
+    lrs = {json.loads(l).get("lr") for l in (tmp_path / "D2" / "metrics.jsonl").read_text().splitlines()}
+    assert lrs == {1e-3}
+
+
+LAST_OF_STEP_1 = "train_step = 1 AND position = (SELECT MAX(position) FROM train_batches WHERE train_step = 1)"
+
+
+@pytest.mark.parametrize("change", ["move one sample of step 1 into step 2", "swap steps 1 and 2"])
+def test_a_changed_record_no_longer_reproduces_the_run(model_dir, trained_run, tmp_path, change):
+    """The bit-for-bit comparison can fail: the same replay on a record with one batch changed does."""
+    run = tmp_path / "D"
+    shutil.copytree(trained_run, run)
+    c = sqlite3.connect(run / "clawrl.sqlite")
+    with c:
+        if change.startswith("move"):
+            c.execute(f"UPDATE train_batches SET train_step = 2, position = 99 WHERE {LAST_OF_STEP_1}")
+        else:
+            c.execute("UPDATE train_batches SET train_step = -train_step WHERE train_step IN (1, 2)")
+            c.execute("UPDATE train_batches SET train_step = 3 + train_step WHERE train_step IN (-1, -2)")
+    c.close()
+    replay(replay_cfg(model_dir), run, tmp_path / "D2")
+    for step in (1, 2, 3):
+        assert any(k.startswith("weights/") for k in differing(trained_run, tmp_path / "D2", step)), step
+
+
+def test_a_record_that_lost_a_trained_sample_is_refused(model_dir, trained_run, tmp_path, capsys):
+    run = tmp_path / "D"
+    shutil.copytree(trained_run, run)
+    c = sqlite3.connect(run / "clawrl.sqlite")
+    with c:
+        c.execute(f"DELETE FROM train_batches WHERE {LAST_OF_STEP_1}")
+    c.close()
+    code, err = run_cli(capsys, "--run-dir", str(run), "--out", str(tmp_path / "D2"), f"model.path={model_dir}")
+    assert code == 2 and "trained 1 sample(s) that no recorded train batch holds" in err
+    assert not (tmp_path / "D2").exists()
+
+
+def run_cli(capsys, *args):
+    code = main(["replay", *args])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_bad_input_is_a_one_line_error_that_leaves_nothing(model_dir, trained_run, tmp_path, capsys):
+    out = tmp_path / "D2"
+    code, err = run_cli(capsys, "--run-dir", str(tmp_path / "missing"), "--out", str(out))
+    assert code == 2 and err == f"clawrl: --run-dir {tmp_path / 'missing'}: no such run directory"
+
+    code, err = run_cli(capsys, "--run-dir", str(trained_run), "--out", str(trained_run))
+    assert code == 2 and "is the run directory itself" in err and len(err.splitlines()) == 1
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    code, err = run_cli(capsys, "--run-dir", str(trained_run), "--out", str(busy))
+    assert code == 2 and "exists and is not empty" in err and len(err.splitlines()) == 1
+
+    fresh = tmp_path / "fresh"  # a run that served but never trained
+    store = TurnStore(fresh)
+    RolloutBuffer(store, compose([]).train)
+    store.close()
+    code, err = run_cli(capsys, "--run-dir", str(fresh), "--out", str(out))
+    assert code == 2 and "no sample was trained in this run" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+    old = tmp_path / "old"  # recorded before train_batches existed
+    shutil.copytree(trained_run, old)
+    c = sqlite3.connect(old / "clawrl.sqlite")
+    with c:
+        c.execute("DROP TABLE train_batches")
+        c.execute("UPDATE meta SET value = '4' WHERE key = 'buffer_schema_version'")
+    c.close()
+    code, err = run_cli(capsys, "--run-dir", str(old), "--out", str(out))
+    assert code == 2 and "recorded before clawrl kept each train step's batch" in err and "cannot be replayed" in err
+    assert len(err.splitlines()) == 1 and not out.exists()
+
+    code, err = run_cli(capsys, "--run-dir", str(trained_run), "--out", str(out), "method=opd")
+    assert code == 2 and "does not attach yet" in err and not out.exists()
