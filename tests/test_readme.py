@@ -33,6 +33,9 @@ NOT_IN_CI = {
     "clawrl export-model --run-dir runs/default --out my-model":
         "needs a checkpoint in runs/default, and the quick-start run has none when CI reaches this line "
         "(train.save_every=10); tests/test_export_model.py runs the command on runs with checkpoints",
+    "clawrl replay --run-dir runs/default --out runs/default-lr3e-6 train.lr=3e-6":
+        "needs a finished run that trained in runs/default, and the quick-start run may not have trained when CI "
+        "reaches this line; tests/test_replay.py runs the command on runs that trained",
     "bash openclaw-combine/run.sh trainer.backend=megatron cluster.tp=4 model.path=/models/Qwen3-8B  # 4 GPUs":
         "needs 4 GPUs and /models/Qwen3-8B",
     "export NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1     export NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1":
