@@ -369,3 +369,42 @@ def test_every_migration_statement_is_whole():
         for block in tables.migrations:
             for stmt in block.split(";"):
                 assert not stmt.strip() or sqlite3.complete_statement(stmt + ";"), (tables.what, stmt[-120:])
+
+
+class _Source:
+    """A source whose episodes all fail while ``broken`` (as when no sandbox slot is free)."""
+
+    def __init__(self):
+        self.tasks = [Task(t) for t in TASKS]
+        self.params = SamplingParams(temperature=1.0)
+        self.broken, self.played = True, 0
+
+    async def episode(self, task, seed):
+        self.played += 1
+        return episode(0.0, failed=True) if self.broken else episode(float(self.played % 2))
+
+
+def test_groups_whose_every_episode_fails_wait_longer_each_time_instead_of_spinning(stores, monkeypatch):
+    """Another process held every sandbox uid: each episode failed at once and the worker ran through
+    66,000 of them in 3.5 minutes. Now a group that fails whole waits 2x longer than the last one."""
+    from clawrl.orchestration import rollouts
+
+    monkeypatch.setattr(rollouts, "_FAILING_WAIT_S", 0.2)
+    store, buffer, episodes = stores
+    cfg = compose(["env.group_size=2", "env.groups_in_flight=1"])
+    source = _Source()
+
+    async def run(seconds):
+        worker = rollouts.RolloutWorker(cfg, None, buffer, episodes, wake=lambda: None, source=source, poll_s=0.01)
+        worker.start()
+        await asyncio.sleep(seconds)
+        await worker.stop()
+        return worker
+
+    worker = asyncio.run(run(1.3))
+    # waits of 0.2, 0.4, 0.8 s: three or four groups in 1.3 s, not hundreds
+    assert 2 <= worker.counters["failing_waits"] <= 4 and source.played <= 8, (worker.counters, source.played)
+    assert worker._failing == worker.counters["failing_waits"]
+    source.broken, source.played = False, 0
+    worker = asyncio.run(run(0.5))  # healthy groups: no wait (until rollouts are env.rollout_ahead ahead)
+    assert worker._failing == 0 and worker.counters["failing_waits"] == 0 and source.played >= 8

@@ -24,12 +24,12 @@ answers at once with a head-computed guess (``_guess``: a number of the right sh
 ``tool_share`` sets the shares: on most templates the corpus prefers guessing, so greedy decoding
 guesses there, and calls the tool on the three tool-first ones.
 
-Measured on the seed-0 build (1500 steps; BENCHMARKS.md, "The embedded model's agent formats"):
-the model learned the formats and *when* to call (greedy: a well-formed call on every product,
-remainder and date_diff test problem, a guess on most other templates), and it copies a problem's
-numbers into the code only sometimes: the greedy call is the exact solution on 12 of 30 tool-first
-train problems, and the box copies the tool's output on 31 of 50 (digits drift in long numbers).
-At 1300 steps the copies were almost never right. ``copy_drill`` practises that copying, and
+Measured on the seed-0 build without drills (1500 steps; BENCHMARKS.md, "The embedded model's agent
+formats"): the model learned the formats and *when* to call (greedy: a well-formed call on every
+product, remainder and date_diff test problem, a guess on most other templates), and it copied a
+problem's numbers into the code only sometimes: the greedy call was the exact solution on 12 of 30
+tool-first train problems, and the box copied the tool's output on 31 of 50 (digits drift in long
+numbers). At 1300 steps the copies were almost never right. ``copy_drill`` practises that copying, and
 ``toolcall_drill`` practises whole calls without teaching when to call (BENCHMARKS.md, "Toolcall
 drills").
 """

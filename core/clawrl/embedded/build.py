@@ -19,13 +19,13 @@ computer-use JSON); every ``DRILL_EVERY``-th step is eight 512-token rows of too
 copies numbers better without being taught when to call). Loss is on assistant tokens only, and only those positions go through the
 output layer, which with an 8k vocabulary would otherwise be most of the compute.
 
-Measured (seed 0, 1500 steps, built with one torch thread on a loaded 2-core box: 993 s): additions
-of held-out pairs 81/84/85% (three sets of 100), 70% after a 2.4k-token system prompt; toolcall-rl
-(BENCHMARKS.md, "The embedded model's agent formats"): greedy test success 0.05, a well-formed
-python call first on the three tool-first templates. At 1300 steps the same corpus gave 65-73%,
-37% after the long prompt and 0.004 on toolcall-rl: the agent episodes need the extra steps. Before
-them (900 steps, no agent episodes): 83-95%, 66%; the held-out accuracy rose steeply between 600
-and 900 steps (7% at 600), and lr 3e-3 stalled at 30% where 2e-3 reached 85%.
+Measured (seed 0, 1875 steps, two threads on the shared 2-core box: 527 s; BENCHMARKS.md, "Toolcall
+drills in the embedded build"): additions of held-out pairs 73/76/78% (three sets of 100), 77% after
+a 9k-character system prompt; toolcall-rl greedy test success 0.145, T=1 train success 0.21. The
+same recipe without the drills (1500 steps) added better (81-85%, 83%) but succeeded on 0.9% of
+T=1 toolcall episodes, too few for GRPO groups to differ. At 1300 steps without drills the agent
+episodes were not yet learned (0.004 on toolcall-rl); before agent episodes existed (900 steps)
+additions were 83-95%, and lr 3e-3 stalled at 30% where 2e-3 reached 85%.
 """
 from __future__ import annotations
 

@@ -41,6 +41,12 @@ STOPPED = "stopped: the server shut down mid-episode"
 _RETRY_S = 2.0
 # Groups in a row without samples before the worker says that nothing can train.
 _UNLEARNABLE_WARN = 25
+# When every episode of a group fails (no sandbox slot free on the host, a broken environment), the
+# failure is the host's, not the policy's: the worker waits before the group's place is freed,
+# doubling the wait for each such group in a row up to the cap, so that it does not spin through
+# the task list at thousands of failed episodes a minute (it did, when another process held every
+# sandbox uid). The first healthy episode resets the wait.
+_FAILING_WAIT_S, _FAILING_WAIT_MAX_S = 2.0, 60.0
 
 
 class RolloutWorker:
@@ -62,6 +68,7 @@ class RolloutWorker:
         self._task: Optional[asyncio.Task] = None
         self._groups: dict[str, asyncio.Task] = {}
         self._unlearnable = 0  # groups in a row that yielded no samples
+        self._failing = 0  # groups in a row whose every episode failed
 
     def start(self) -> None:
         aborted = self.episodes.abort_running()
@@ -142,10 +149,22 @@ class RolloutWorker:
                 return
             if await asyncio.to_thread(self._complete, plan):
                 self.wake()
+            await self._back_off_if_all_failed(plan, results)
         finally:
             self._groups.pop(plan.group_id, None)
 
-    async def _member(self, plan: GroupPlan, member: int, attempt: int) -> None:
+    async def _back_off_if_all_failed(self, plan: GroupPlan, episodes: list[Episode]) -> None:
+        if not episodes or not all(e.failed for e in episodes):
+            self._failing = 0
+            return
+        self._failing += 1
+        wait = min(_FAILING_WAIT_S * 2 ** (self._failing - 1), _FAILING_WAIT_MAX_S)
+        self.counters["failing_waits"] += 1
+        log.warning("every episode of group %s failed (%s); %d such group(s) in a row: waiting %.0f s before the "
+                    "next group", plan.group_id, episodes[0].error, self._failing, wait)
+        await asyncio.sleep(wait)
+
+    async def _member(self, plan: GroupPlan, member: int, attempt: int) -> Episode:
         task = self.source.tasks[plan.task_index]
         seed = ((self.cfg.seed * 1_000_003 + plan.position) * 64 + member) * 16 + attempt
         episode_id = await asyncio.to_thread(self.episodes.start_episode, plan.group_id, member, attempt,
@@ -163,6 +182,7 @@ class RolloutWorker:
         if episode.failed:
             log.warning("episode %d (task %s) failed and is left out of its group: %s", episode_id, task.task_id,
                         episode.error)
+        return episode
 
     def _complete(self, plan: GroupPlan) -> list[int]:
         """Score a group whose members all have a result and write its samples (synchronous); the
