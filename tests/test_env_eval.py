@@ -30,6 +30,7 @@ from clawrl.orchestration.evaluation import (concurrency_beside_rollouts, defaul
 from clawrl.run_lock import RunDirBusy, RunDirLock
 from clawrl.samples import Sample
 from clawrl.trainers.torch_trainer import TorchTrainer
+from checkpoint_support import MegatronShards
 from engine_testing import make_model_dir
 from tests.required_tools import skip_unless_available
 
@@ -209,16 +210,6 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "step_1 does not fit the model" in err and "has shape" in err, err
 
 
-class _MegatronShards:
-    """What the megatron trainer hands the checkpoint store: rank shards, not HF weights."""
-
-    step = 1
-
-    def state_dict(self) -> dict:
-        return {"kind": "megatron", "weights": {"rank0/embedding.weight": torch.zeros(4, 2)}, "optimizer": [],
-                "step": 1}
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--run-dir", "{tmp}/nowhere"], "--run-dir {tmp}/nowhere: no such run directory"),
     (["--run-dir", "{tmp}/a-file"], "--run-dir {tmp}/a-file: no such run directory"),
@@ -231,7 +222,7 @@ class _MegatronShards:
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     (tmp_path / "a-file").write_text("not a run\n")
-    CheckpointStore(tmp_path / "megatron").save(_MegatronShards(), 1)
+    CheckpointStore(tmp_path / "megatron").save(MegatronShards(), 1)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main([*EVAL, *argv, *SMALL]) == 2
     err = capsys.readouterr().err

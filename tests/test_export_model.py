@@ -27,6 +27,7 @@ from clawrl.engines import make_engine
 from clawrl.run_lock import RunDirBusy, RunDirLock
 from clawrl.samples import Sample
 from clawrl.trainers.torch_trainer import TorchTrainer
+from checkpoint_support import MegatronShards
 from engine_testing import make_model_dir
 from gateway_support import free_port
 
@@ -247,16 +248,6 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_with_a_note_and_never_export
            "corrupt passed over: checkpoint step_2 is incomplete or corrupt" in err
 
 
-class _MegatronShards:
-    """What the megatron trainer hands the checkpoint store: rank shards, not HF weights."""
-
-    step = 1
-
-    def state_dict(self) -> dict:
-        return {"kind": "megatron", "weights": {"rank0/embedding.weight": torch.zeros(4, 2)}, "optimizer": [],
-                "step": 1}
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--run-dir", "{tmp}/nowhere"], "--run-dir {tmp}/nowhere: no such run directory"),
     (["--run-dir", "{tmp}/a-file"], "--run-dir {tmp}/a-file: no such run directory"),
@@ -275,7 +266,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(base, full_run, tmp_pat
     (tmp_path / "fresh").mkdir()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine\n")
-    CheckpointStore(tmp_path / "megatron").save(_MegatronShards(), 1)
+    CheckpointStore(tmp_path / "megatron").save(MegatronShards(), 1)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in ["--run-dir", str(run), "--out", "{tmp}/out", *argv]]
     before = tree(tmp_path)
     assert main(["export-model", *argv, f"model.path={base}"]) == 2

@@ -165,7 +165,7 @@ async def _run(task_set: TaskSet, record: TaskRecord, policy: str) -> EpisodeRep
                          transcript=episode.transcript)
 
 
-def _count(value: str, flag: str) -> int:
+def count_arg(value: str, flag: str) -> int:
     """A whole number >= 1 from the command line, or a one-line usage error."""
     try:
         number = int(value)
@@ -188,8 +188,8 @@ def split_records(task_set: TaskSet, split: str, limit: int | None) -> list[Task
 def _eval(task_set: TaskSet, args) -> int:
     """``clawrl env eval``: progress and notes on stderr, the result as the last line of stdout.
     Exit 0 when the evaluation ran, 1 when no episode could be played at all."""
-    n = _count(args.n, "--n")
-    limit = None if args.limit is None else _count(args.limit, "--limit")
+    n = count_arg(args.n, "--n")
+    limit = None if args.limit is None else count_arg(args.limit, "--limit")
     try:
         temperature = float(args.temperature)
     except ValueError:

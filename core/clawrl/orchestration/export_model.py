@@ -44,6 +44,7 @@ from clawrl.config import MODEL_DEFAULTS_FILE, ClawrlConfig, compose, model_defa
 from clawrl.embedded.build import resolve_model
 from clawrl.engines.loading import load_model, resolve_dtype
 from clawrl.errors import CliError
+from clawrl.orchestration.env_commands import count_arg
 from clawrl.orchestration.evaluation import RunCheckpoint, complete_checkpoint, lora_trainer, serving_weights
 
 COMMAND = "clawrl export-model"
@@ -175,13 +176,9 @@ def _write_adapter(found: RunCheckpoint, cfg: ClawrlConfig, tmp: Path) -> None:
 def _parse_version(value: Optional[str]) -> Optional[int]:
     if value is None:
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise CliError(f"--version must be a whole number >= 1, got {value!r}") from None
-    if number < 1:
+    if value.strip() == "0":
         raise CliError(f"--version must be a whole number >= 1, got {value!r} (version 0 is the base model)")
-    return number
+    return count_arg(value, "--version")
 
 
 def export_model_cli(args) -> int:
