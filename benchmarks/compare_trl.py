@@ -12,8 +12,9 @@ Both sides train the embedded model (clawrl-tiny, ``clawrl.embedded.build.defaul
 - the same group size (``--group-size``, 4), samples per optimizer step (``--batch``, 8 = two
   groups), learning rate (the embedded model's default, ``train.lr`` from
   ``core/clawrl/conf/embedded.yaml``: 2e-4), constant schedule, AdamW (0.9, 0.999, eps 1e-8, no
-  weight decay), grad-norm clip 1.0, no KL, one optimizer step per batch (PPO clip 0.2/0.28, which
-  is inert then: the ratio is 1), GRPO mean/std advantages, token-mean loss;
+  weight decay), grad-norm clip 1.0, no KL, one optimizer step per batch (PPO clip 0.2/0.28: inert
+  for TRL, whose ratio is 1; near it for clawrl, whose rollouts may be a weight version or two
+  behind), GRPO mean/std advantages, token-mean loss;
 - the same generation: temperature 1.0, no top-p/top-k, at most ``demo.max_tokens`` (24) tokens,
   one turn;
 - the same number of rollouts: clawrl runs first for ``--steps`` train steps; TRL then runs for as
