@@ -25,8 +25,9 @@ What each side runs:
 - clawrl: exactly what ``clawrl serve`` runs for an environment recipe, in-process as
   ``tests/test_env_training.py`` does: ``Learner(cfg, make_engine(cfg), TurnStore(run_dir))`` with
   ``env.name=benchmarks/compare_trl.py:PreferenceEnv`` (a one-turn ``clawrl.envs.Env`` whose
-  reward is ``reward``), ``method=rl``, ``env.group_size=G``, ``train.batch_size=B``,
-  ``env.max_train_steps=S``. So: clawrl's engine samples each group with exact per-token logprobs
+  reward is ``reward``), ``method=rl``, and ``env.group_size``, ``train.batch_size`` and
+  ``env.max_train_steps`` set to G, B and S. So: clawrl's engine samples each group with exact
+  per-token logprobs
   (``RolloutWorker``/``EnvSource``, 2 groups in flight, rollouts ahead of training by at most 2
   batches), groups whose rewards are all equal are filtered out (no samples), ``score_group`` gives
   the GRPO advantages, the episodes and samples are stored in the run's SQLite store, the torch
@@ -207,11 +208,11 @@ def run_clawrl(args, s: dict, work: Path) -> dict:
 # ---------------------------------------------------------------- TRL's side
 
 
-def trl_config(s: dict, steps: int, out: Path, seed: int):
+def trl_config(s: dict, steps: int, out: Path, trl_seed: int):
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, fp16=False, seed=seed, report_to=[],
+        output_dir=str(out), use_cpu=True, bf16=False, fp16=False, seed=int(trl_seed), report_to=[],
         learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=s["weight_decay"],
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=s["grad_clip"],
         per_device_train_batch_size=s["batch"], num_generations=s["group_size"], steps_per_generation=1,
