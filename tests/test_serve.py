@@ -246,8 +246,13 @@ def test_kill_9_mid_rollout_aborts_the_episodes_and_the_restart_rolls_their_grou
     interrupted = {r[1] for r in before.values() if r[4] == "running"}
     finished_before = {r[0] for r in before.values() if r[4] in ("finished", "failed")}
 
+    # the first server may have trained and saved steps already (on a slow machine a whole group can
+    # finish before the poll sees one); the restart resumes from its newest checkpoint and trains one more
+    saved = [int(p.name[len("step_"):]) for p in (run_dir / "checkpoints").glob("step_*")
+             if (p / "manifest.json").is_file()]
     # a batch of two groups: the interrupted group, rolled out first, is complete before the step
-    second = serve_env(run_dir, model, free_port(), "env.max_train_steps=1", "train.batch_size=4")
+    second = serve_env(run_dir, model, free_port(), f"env.max_train_steps={max(saved, default=0) + 1}",
+                       "train.batch_size=4")
     assert second.wait(180) == 0  # trains one step, saves, and exits by itself
     after = {r[0]: r for r in episode_rows(run_dir)}
     assert all(after[e][4] == before[e][4] for e in finished_before)  # no finished episode lost or redone
