@@ -31,7 +31,10 @@ size is much slower than later ones, for HF too), engine and HF interleaved. The
 commit and command, and a markdown table is printed. ``--shape tiny`` runs the whole suite in
 seconds on a CPU, so the script cannot rot.
 
-    python benchmarks/gpu_suite.py --part decode|prefill|serving|all [--shape qwen3-1.7b|qwen3-0.6b|tiny]
+Train (``gpu_train.py``): clawrl's torch trainer against the probe's plain HF training loop on
+the same weights and 8 x 2048 tokens a step, with MFU against the matmul ceiling measured in the run.
+
+    python benchmarks/gpu_suite.py --part decode|prefill|serving|train|all [--shape qwen3-1.7b|qwen3-0.6b|tiny]
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from clawrl.config import EngineConfig, compose
 from clawrl.embedded.build import build_tokenizer, default_model_path
-from clawrl.embedded.tokenizer import render_chat, save_tokenizer
+from clawrl.embedded.tokenizer import render_chat, save_tokenizer, train_tokenizer
 from clawrl.engines.base import SamplingParams
 from clawrl.engines.loading import LoadedModel
 from clawrl.engines.static_decode import ATTENTIONS
@@ -511,6 +514,15 @@ def table(results: dict) -> str:
             lines.append(f"| cold prefill while {p['decoding_streams']} streams decode (chunked), ms "
                          f"| {p['cold_beside_decoding_ms']:.0f} | {p['hf_ms']:.0f} "
                          f"| {p['cold_beside_decoding_ms'] / p['hf_ms']:.2f} |")
+    train = results.get("train")
+    if train:
+        lines += ["", "| training, {} x {} tokens a step | tok/s | MFU | / HF loop | peak GiB |".format(
+            train["sequences"], train["seq_len"]), "|---|---:|---:|---:|---:|",
+            f"| HF loop (probe) | {train['hf']['tok_s']:.0f} | {train['hf']['mfu']:.1%} | 1.00 | |"]
+        for key, d in ((k, d) for k, d in train.items() if k.startswith("torch")):
+            name = "clawrl torch trainer" + ("" if key == "torch" else f", {' '.join(d['overrides'])}")
+            lines.append(f"| {name} | {d['tok_s']:.0f} | {d['mfu']:.1%} | {d['ratio_to_hf']:.2f} "
+                         f"| {d['peak_mem_gib']:.1f} |")
     serving = [k for k in results if k == "serving" or k.startswith("serving_")]
     if serving:
         lines += ["", "| concurrent chats | gateway tok/s | engine direct tok/s | gateway / direct "
@@ -527,7 +539,7 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("decode", "prefill", "serving", "all"), default="all")
+    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "all"), default="all")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="model shape (default: qwen3-1.7b on a GPU, tiny on a CPU)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
@@ -545,14 +557,26 @@ def main(argv=None) -> int:
                                                                               else "cpu.json")
     streams, prompt_len, new, limit = SIZES[shape]
     t0 = time.perf_counter()
+    stamp = {"commit": commit(), "command": "python benchmarks/gpu_suite.py " + shlex.join(sys.argv[1:] if argv is None
+                                                                                            else argv)}
+    results = json.loads(out.read_text()) if out.exists() else {}
+    if args.part in ("train", "all"):  # first, on a device nothing else holds yet
+        from gpu_train import run_train
+
+        def words_tokenizer(model_dir: Path) -> None:  # the trainer loads one; the ids are random
+            save_tokenizer(train_tokenizer(["the model has random weights"] * 8, vocab_size=300), model_dir, 8192)
+        train = run_train(build_model, shape, device, words_tokenizer)
+        for key, d in train.items():
+            if isinstance(d, dict):
+                d.update(stamp, shape=shape)
+        results["train"] = train
+        if args.part == "train":
+            return write_results(out, results, stamp, shape, t0)
     model = build_model(shape, device)
     lm = loaded_model(model, shape)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters on "
           f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}, {lm.dtype}; torch {torch.__version__}",
           flush=True)
-    stamp = {"commit": commit(), "command": "python benchmarks/gpu_suite.py " + shlex.join(sys.argv[1:] if argv is None
-                                                                                            else argv)}
-    results = json.loads(out.read_text()) if out.exists() else {}
     results["meta"] = {"shape": shape, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                        "torch": torch.__version__, "dtype": str(lm.dtype), **stamp}
     if args.part in ("decode", "all"):
@@ -576,9 +600,14 @@ def main(argv=None) -> int:
             if key.startswith("chats_"):
                 d.update(stamp, shape=shape)
         results["serving" if args.decode_attention == "sdpa" else f"serving_{args.decode_attention}"] = srv
+    return write_results(out, results, stamp, shape, t0)
+
+
+def write_results(out: Path, results: dict, stamp: dict, shape: str, t0: float) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n{table(results)}\n\n({shape}, {results['meta']['device']}, commit {stamp['commit']}, "
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    print(f"\n{table(results)}\n\n({shape}, {device}, commit {stamp['commit']}, "
           f"{time.perf_counter() - t0:.0f} s; written to {out})")
     return 0
 

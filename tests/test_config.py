@@ -399,6 +399,7 @@ def test_choices_match_what_core_accepts():
     from clawrl.losses import AGGREGATION_MODES, GROUP_MODES
     from clawrl.losses.kl import KL_ESTIMATORS
     from clawrl.trainers import base as trainers
+    from clawrl.trainers import torch_trainer
     from clawrl.trainers.objective import TOPK_KL
 
     core = {
@@ -409,6 +410,7 @@ def test_choices_match_what_core_accepts():
         "opd.topk_kl": TOPK_KL, "logging.wandb.mode": metrics.WANDB_MODES, "demo.user": tuple(USERS),
         "sandbox.backend": sandbox.BACKEND_CHOICES, "env.sample_mode": env_source.SAMPLE_MODES,
         "env.step_judge": env_source.STEP_JUDGES, "engine.decode_attention": static_decode.ATTENTIONS,
+        "train.param_dtype": ("auto", *torch_trainer.PARAM_DTYPES),
     }
     choices = {key: f.metadata["choices"] for key, f in _leaves(ClawrlConfig) if f.metadata.get("choices")}
     for key, accepted in core.items():

@@ -1,5 +1,6 @@
-"""The trainer on CUDA (skipped without a GPU): bf16 autocast over fp32 master weights, logprobs
-close to a bf16 engine's, and a weight push that the engine then serves."""
+"""The trainer on CUDA (skipped without a GPU): bf16 parameters over float32 masters (the default)
+or float32 parameters under bf16 autocast, logprobs close to a bf16 engine's, and a weight push that
+the engine then serves."""
 from __future__ import annotations
 
 import asyncio
@@ -26,17 +27,21 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("trainer_cuda") / "m", "qwen3")
 
 
-def cuda_cfg(lora: bool = False) -> ClawrlConfig:
+def cuda_cfg(lora: bool = False, param_dtype: str = "auto") -> ClawrlConfig:
     cfg = ClawrlConfig()
-    train = replace(cfg.train, lr=1e-2, lora=replace(cfg.train.lora, enabled=lora))
+    train = replace(cfg.train, lr=1e-2, lora=replace(cfg.train.lora, enabled=lora), param_dtype=param_dtype)
     return replace(cfg, model=replace(cfg.model, device="cuda"), train=train)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_cuda_step_in_bf16_autocast_and_push_to_a_bf16_engine(model_dir, lora):
-    cfg = cuda_cfg(lora)
+@pytest.mark.parametrize("lora,param_dtype", [(False, "auto"), (True, "auto"), (False, "float32")])
+def test_cuda_step_in_bf16_and_push_to_a_bf16_engine(model_dir, lora, param_dtype):
+    cfg = cuda_cfg(lora, param_dtype)
     trainer = TorchTrainer(cfg, str(model_dir))
-    assert trainer.autocast and next(trainer.model.parameters()).dtype == torch.float32
+    if param_dtype == "float32":
+        assert trainer.autocast and next(trainer.model.parameters()).dtype == torch.float32
+    else:  # auto: bf16 parameters, float32 masters, no autocast, packed attention
+        assert not trainer.autocast and next(trainer.model.parameters()).dtype == torch.bfloat16
+        assert trainer.masters is not None and trainer.packed
     engine = TorchEngine(load_model(str(model_dir), device="cuda"), cfg.engine)
     sync = InProcessWeightSync(engine)
 

@@ -41,6 +41,7 @@ class MicroBatch:
     topk_ids: torch.Tensor | None = None  # [T, K] the teacher's top-k ids (opd.topk > 0)
     topk_logprobs: torch.Tensor | None = None  # [T, K]
     topk_mask: torch.Tensor | None = None  # [T] 1 where the teacher's top-k is present
+    bounds: tuple[tuple[int, int], ...] = ()  # (start, end) of each sequence in the row, host-side
 
     @property
     def num_tokens(self) -> int:
@@ -110,10 +111,12 @@ def teacher_signal(s: Sample, topk: int) -> tuple[list[float] | None, list | Non
 
 def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0) -> MicroBatch:
     ids, pos, seg, rows, targets, temps, adv, mask, rollout, cu = [], [], [], [], [], [], [], [], [], [0]
+    bounds = []
     has_rl, has_opd, teacher, top_ids, top_lps, top_mask = [], [], [], [], [], []
     for k, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         start = len(ids)
+        bounds.append((start, start + p + r))
         ids += [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]
         pos += range(p + r)
         seg += [k] * (p + r)
@@ -141,7 +144,7 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         advantages=t(adv), loss_mask=t(mask), rollout_logprobs=t(rollout), cu_seqlens=t(cu, torch.long),
         has_rl=t(has_rl, torch.bool), has_opd=t(has_opd, torch.bool), teacher_logprobs=t(teacher),
         topk_ids=t(top_ids, torch.long) if topk > 0 else None, topk_logprobs=t(top_lps) if topk > 0 else None,
-        topk_mask=t(top_mask) if topk > 0 else None,
+        topk_mask=t(top_mask) if topk > 0 else None, bounds=tuple(bounds),
     )
 
 

@@ -53,18 +53,31 @@ from clawrl.losses import aggregation_denominator, token_entropy, token_logprobs
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
+from clawrl.trainers import packed_attention
 from clawrl.trainers.batching import MicroBatch, build_micro_batch, check_sample, pack, sample_metrics
+from clawrl.trainers.master_weights import MasterWeights
 from clawrl.trainers.objective import FullLogits, Objective, StepStats
 
 log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's adapter name; the trainer trains exactly one
+PARAM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # train.param_dtype, besides "auto"
 __all__ = ["TorchTrainer", "pack"]
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a train-mode forward can differ from an eval-mode one: a dropout module with p > 0, or
+    a config dropout rate (attention dropout is applied functionally, from the config)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
+    return any(k.endswith("dropout") and isinstance(v, (int, float)) and v > 0 for k, v in rates.items())
 
 
 class TorchTrainer(Trainer):
     """See the module docstring. ``device``/``dtype`` override the training device and the
-    parameter dtype (default: ``model.device``, float32 master weights); tests use float64."""
+    parameter dtype (default: ``model.device`` and ``train.param_dtype``); tests use float64."""
 
     def __init__(self, cfg: ClawrlConfig, model_path: str, *, device: str | None = None,
                  dtype: torch.dtype | None = None):
@@ -75,10 +88,13 @@ class TorchTrainer(Trainer):
         # export_weights hands the engine tensors on its own device and dtype
         self.serve_device = resolve_device(cfg.model.device)
         self.serve_dtype = resolve_dtype(cfg.model.dtype, self.serve_device)
-        self.param_dtype = dtype or torch.float32
-        # bf16 autocast on CUDA; on CPU the arithmetic stays in the parameter dtype (exact tests).
-        self.autocast = self.device.type == "cuda"
+        self.param_dtype = dtype or self._param_dtype(train_cfg.param_dtype)
+        # float32 parameters train under bf16 autocast on CUDA; on CPU the arithmetic stays in the
+        # parameter dtype (exact tests); bf16 parameters need no autocast.
+        self.autocast = self.device.type == "cuda" and self.param_dtype == torch.float32
         model = loaded.model.to(self.param_dtype)
+        self.attention_before = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self.packed = packed_attention.enable(model)  # before the reference copy, which shares it
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.lora = train_cfg.lora.enabled
         self.ref_model = None
@@ -92,16 +108,34 @@ class TorchTrainer(Trainer):
         model.config.use_cache = False
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay)
+        # bf16 parameters step through float32 masters (master_weights explains why)
+        self.masters = MasterWeights(self.params) if self.param_dtype == torch.bfloat16 else None
+        stepped = self.masters.master if self.masters else self.params
+        # one fused kernel per step on CUDA; on CPU the default (for-each) implementation
+        self.optimizer = torch.optim.AdamW(stepped, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
+                                           fused=self.device.type == "cuda" or None)
+        # One optimizer step per train step, so the weights that compute pi_old are those the loss's
+        # forward runs with: without dropout (train mode == eval mode) and without a reference model
+        # to run, pi_old is that forward's detached logprobs, and the separate no-grad pass is saved.
         self.method = load_method(cfg)
         self.objective = Objective(cfg, topk=self.method.topk)
+        self.pi_old_from_loss_forward = not self.objective.needs_reference and not has_dropout(model)
         self.step = 0
         self.bad_steps = 0
         self.paused_reason = None
         self._lock = threading.Lock()  # train_step and export_weights never interleave
-        log.info("torch trainer: %s on %s (%s params, %d trainable tensors, %s), micro-batches of %d tokens",
-                 loaded.path, self.device, str(self.param_dtype).removeprefix("torch."), len(self.params),
-                 f"LoRA r={train_cfg.lora.r}" if self.lora else "full fine-tuning", train_cfg.micro_batch_tokens)
+        log.info("torch trainer: %s on %s (%s params%s, %d trainable tensors, %s), micro-batches of %d tokens, "
+                 "%s attention, pi_old %s",
+                 loaded.path, self.device, str(self.param_dtype).removeprefix("torch."),
+                 " with float32 masters" if self.masters else "", len(self.params),
+                 f"LoRA r={train_cfg.lora.r}" if self.lora else "full fine-tuning", train_cfg.micro_batch_tokens,
+                 "per-sequence (packed)" if self.packed else "block-masked",
+                 "from the loss's forward" if self.pi_old_from_loss_forward else "from its own no-grad pass")
+
+    def _param_dtype(self, name: str) -> torch.dtype:
+        if name == "auto":
+            name = "bfloat16" if self.device.type == "cuda" else "float32"
+        return PARAM_DTYPES[name]
 
     def _wrap_lora(self, model, cfg: ClawrlConfig):
         import peft
@@ -121,14 +155,24 @@ class TorchTrainer(Trainer):
 
     def _logits(self, model, mb: MicroBatch) -> torch.Tensor:
         """Float32+ logits ``[T, V]`` of the response-predicting positions, scaled by temperature."""
-        seg = mb.segment
-        mask = None  # one sequence: the model's own causal attention (no [L, L] mask to hold)
-        if int(seg[-1]) > 0:
+        extra, mask = {}, None  # one sequence: the model's own causal attention (no [L, L] mask to hold)
+        if self.packed:
+            extra[packed_attention.SEGMENTS] = mb.bounds
+        elif len(mb.bounds) > 1:
+            seg = mb.segment
             causal = torch.ones(len(seg), len(seg), dtype=torch.bool, device=seg.device).tril()
             mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
+        bare = packed_attention.bare_calls()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask,
-                        logits_to_keep=mb.logit_rows, use_cache=False)
+                        logits_to_keep=mb.logit_rows, use_cache=False, **extra)
+        if self.packed and len(mb.bounds) > 1 and packed_attention.bare_calls() > bare:
+            # the model does not pass keywords down to its attention: its sequences saw each other
+            log.warning("%s does not pass %s to its attention; back to block-masked attention",
+                        type(model).__name__, packed_attention.SEGMENTS)
+            packed_attention.disable(self.model, self.attention_before)
+            self.packed = False
+            return self._logits(model, mb)
         logits = out.logits[0].to(torch.promote_types(out.logits.dtype, torch.float32))
         if bool((mb.temperature != 1.0).any()):
             logits = logits / mb.temperature.to(logits.dtype)[:, None]
@@ -178,48 +222,71 @@ class TorchTrainer(Trainer):
         if denominator <= 0:
             return StepResult(False, metrics, "no_trainable_tokens")
 
-        # pi_old (and the reference) under the weights as they are, before any gradient.
-        self.model.eval()
-        olds, refs, gaps, entropy_sum = [], [], [], 0.0
-        with torch.no_grad():
-            for mb in batches:
-                logits = self._logits(self.model, mb)
-                old = token_logprobs(logits, mb.targets)
-                entropy_sum += float((token_entropy(logits) * mb.loss_mask).sum())
-                olds.append(old)
-                refs.append(self._reference_logprobs(mb) if self.objective.needs_reference else None)
-                gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
+        # pi_old (and the reference) under the weights as they are, before any gradient: from their own
+        # no-grad pass, or (pi_old_from_loss_forward) from the loss's forward of each micro-batch below.
+        olds: list[torch.Tensor | None] = [None] * len(batches)
+        refs: list[torch.Tensor | None] = [None] * len(batches)
+        gaps, entropy_sum = [], 0.0
+        if not self.pi_old_from_loss_forward:
+            self.model.eval()
+            with torch.no_grad():
+                for i, mb in enumerate(batches):
+                    logits = self._logits(self.model, mb)
+                    olds[i], entropy = self._old_and_entropy(logits, mb)
+                    entropy_sum += entropy
+                    refs[i] = self._reference_logprobs(mb) if self.objective.needs_reference else None
+                    gaps.append(((olds[i] - mb.rollout_logprobs).abs() * mb.loss_mask).max())
         trained = float(sum(float(mb.loss_mask.sum()) for mb in batches))
-        metrics["entropy"] = entropy_sum / max(trained, 1.0)
-        metrics["rollout_logprob_gap_max"] = float(torch.stack(gaps).max())
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         stats = StepStats()
         for mb, old, ref in zip(batches, olds, refs):
-            ops = FullLogits(self._logits(self.model, mb), mb.temperature)
-            loss, sums = self.objective.loss(ops, mb, old, ref, denominator)
+            logits = self._logits(self.model, mb)
+            if old is None:
+                with torch.no_grad():
+                    old, entropy = self._old_and_entropy(logits.detach(), mb)
+                    entropy_sum += entropy
+                    gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
+            loss, sums = self.objective.loss(FullLogits(logits, mb.temperature), mb, old, ref, denominator)
             if not torch.isfinite(loss):
                 return self._skip(metrics, "nonfinite_loss")
             loss.backward()
+            if self.masters:
+                self.masters.accumulate()
             stats.add(float(loss.detach()), sums)
+        metrics["entropy"] = entropy_sum / max(trained, 1.0)
+        metrics["rollout_logprob_gap_max"] = float(torch.stack(gaps).max())
         metrics.update(stats.metrics(trained))
 
         clip = train_cfg.grad_clip if train_cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        stepped = self.masters.master if self.masters else self.params
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(stepped, clip))
         metrics["grad_norm"] = grad_norm
         if not math.isfinite(grad_norm):
             return self._skip(metrics, "nonfinite_grad")
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.masters:
+            self.masters.publish()
+        self._zero_grad()
         self.step += 1
         self.bad_steps = 0
         metrics.update(step=self.step, lr=self.optimizer.param_groups[0]["lr"],
                        step_seconds=time.perf_counter() - started)
         return StepResult(True, metrics, None)
 
-    def _skip(self, metrics: dict, reason: str) -> StepResult:
+    @staticmethod
+    def _old_and_entropy(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, float]:
+        """pi_old's logprobs of the response tokens, and the sum of the trained tokens' entropies."""
+        return token_logprobs(logits, mb.targets), float((token_entropy(logits) * mb.loss_mask).sum())
+
+    def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters:
+            self.masters.zero_grad()
+
+    def _skip(self, metrics: dict, reason: str) -> StepResult:
+        self._zero_grad()
         self.bad_steps += 1
         log.warning("train step skipped: %s (%d in a row, limit train.max_bad_steps=%d)",
                     reason, self.bad_steps, self.train_cfg.max_bad_steps)
@@ -256,7 +323,16 @@ class TorchTrainer(Trainer):
                     for k, v in state.items()}
 
     def _trainable_named(self) -> dict[str, torch.nn.Parameter]:
+        """Trainable parameters by name, in ``self.params``' order (the float32 masters', if any)."""
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def _trained_weights(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps: the float32 masters where there are some (a bf16 copy would lose
+        the updates still below bf16's precision), else the parameters."""
+        named = self._trainable_named()
+        if not self.masters:
+            return named
+        return dict(zip(named, self.masters.master))
 
     def state_dict(self) -> dict:
         with self._lock:
@@ -265,7 +341,7 @@ class TorchTrainer(Trainer):
                 rng["cuda"] = torch.cuda.get_rng_state_all()
             return {
                 "kind": "lora" if self.lora else "full",
-                "weights": {n: p.detach().to("cpu", copy=True) for n, p in self._trainable_named().items()},
+                "weights": {n: p.detach().to("cpu", copy=True) for n, p in self._trained_weights().items()},
                 "optimizer": self.optimizer.state_dict(),
                 "step": self.step,
                 "bad_steps": self.bad_steps,
@@ -290,6 +366,8 @@ class TorchTrainer(Trainer):
                         raise TrainerError(f"checkpoint weight {name} has shape {tuple(weights[name].shape)}, "
                                            f"the model {tuple(p.shape)}")
                     p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
+                if self.masters:
+                    self.masters.load(weights, list(params))
             self.optimizer.load_state_dict(state["optimizer"])
             self.step = int(state["step"])
             self.bad_steps = int(state.get("bad_steps", 0))

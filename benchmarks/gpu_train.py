@@ -1,0 +1,165 @@
+"""Training throughput: clawrl's torch trainer against the plain HF loop of ``tools/gpu_baselines.py``,
+in the same run (``python benchmarks/gpu_suite.py --part train``).
+
+The baseline runs exactly as the reference probe runs it: the Qwen3 shape built on the device with
+``torch.manual_seed(0)`` and cast to bf16, gradient checkpointing on, ``AdamW(lr=1e-6, fused=True)``,
+a step is ``model(input_ids=x, labels=x)`` on 8 x 2048 random tokens, then backward, step and
+``zero_grad``; 2 warm-up steps, then 5 timed with a CUDA sync. clawrl trains the same weights (saved
+and loaded the way ``model.path`` loads any HF directory) with its own trainer and default settings
+on 8 samples of 16 prompt + 2032 response tokens, the same 16384 tokens a step, each sample an RL
+sample with its advantage, so that the whole objective (pi_old, PPO clip, TIS, entropy and gap
+metrics) runs; variants show what each setting costs. MFU counts what the baseline's probe counts:
+6 x parameters per token plus causal attention, against the matmul ceiling measured in the run.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# Per shape: sequences per step, tokens per sequence, timed steps (the probe's 8 x 2048, 5).
+TRAIN_SIZES = {"qwen3-1.7b": (8, 2048, 5), "qwen3-0.6b": (8, 2048, 5), "tiny": (4, 64, 2)}
+PROMPT = 16  # prompt tokens of each clawrl sample; the rest of the sequence is the trained response
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(device: str) -> float:
+    """The bf16 (CPU: fp32) matmul ceiling, as the probe measures it."""
+    n = 8192 if device == "cuda" else 512
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync()
+    return 2 * n ** 3 / ((time.perf_counter() - t) / 10) / 1e12
+
+
+def model_flops(cfg, n_params: int, batch: int, seq: int) -> float:
+    """FLOPs of one step as the probe counts them: 6N per token plus causal attention."""
+    return 6 * n_params * batch * seq + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq * batch * seq / 2
+
+
+def timed_steps(step, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def hf_loop(model, vocab: int, batch: int, seq: int, steps: int, device: str) -> list[float]:
+    model.train()
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda" or None)
+    x = torch.randint(0, vocab, (batch, seq), device=device)
+
+    def step():
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    times = timed_steps(step, 2, steps)
+    del opt
+    model.gradient_checkpointing_disable()
+    for p in model.parameters():
+        p.grad = None
+    return times
+
+
+def samples(vocab: int, batch: int, seq: int):
+    from clawrl.samples import Sample
+
+    rng = random.Random(1)
+    out = []
+    for i in range(batch):
+        response = seq - PROMPT
+        out.append(Sample(sample_id=i, turn_id=i, group_id="g", prompt_ids=[rng.randrange(1, vocab) for _ in range(PROMPT)],
+                          response_ids=[rng.randrange(1, vocab) for _ in range(response)],
+                          rollout_logprobs=[-12.0] * response, weight_versions=[0] * response,
+                          reward=1.0 if i % 2 else -1.0, advantage=1.0 if i % 2 else -1.0))
+    return out
+
+
+def clawrl_steps(model_dir: str, device: str, batch: list, steps: int, overrides: list[str]) -> tuple[list[float], dict]:
+    from clawrl.config import compose
+    from clawrl.trainers.torch_trainer import TorchTrainer
+
+    cfg = compose([f"model.device={device}", "train.lr=1e-6", *overrides])
+    trainer = TorchTrainer(cfg, model_dir)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    last = {}
+
+    def step():
+        result = trainer.train_step(batch, trainer.step)
+        assert result.ok, result
+        last.update(result.metrics)
+    times = timed_steps(step, 1, steps)
+    info = {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else 0.0,
+            "param_dtype": str(trainer.param_dtype).removeprefix("torch."), "packed_attention": trainer.packed,
+            "pi_old_from_loss_forward": trainer.pi_old_from_loss_forward, "micro_batches": last["micro_batches"]}
+    del trainer
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return times, info
+
+
+# (name, overrides): the default first; the others show what each setting costs
+VARIANTS = [
+    ("default", []),
+    ("gradient_checkpointing", ["train.gradient_checkpointing=true"]),
+    ("float32_params_autocast", ["train.param_dtype=float32"]),
+]
+
+
+def run_train(build_model, shape: str, device: str, save_tokenizer) -> dict:
+    """The train part's figures (``build_model(shape, device)`` makes the probe's model;
+    ``save_tokenizer(dir)`` writes a tokenizer beside the saved weights)."""
+    batch, seq, steps = TRAIN_SIZES[shape]
+    ceiling = matmul_tflops(device)
+    model = build_model(shape, device)
+    cfg = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = model_flops(cfg, n_params, batch, seq)
+    tokens = batch * seq
+    hf = statistics.median(hf_loop(model, cfg.vocab_size, batch, seq, steps, device))
+    out = {"hf": {"tok_s": tokens / hf, "step_s": hf, "mfu": flops / hf / 1e12 / ceiling,
+                  "how": "probe's loop: bf16 params, gradient checkpointing, fused AdamW, labels=x"},
+           "matmul_tflops": ceiling, "tokens_per_step": tokens, "sequences": batch, "seq_len": seq,
+           "params": n_params}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        model.save_pretrained(model_dir)
+        save_tokenizer(model_dir)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        data = samples(cfg.vocab_size, batch, seq)
+        for name, overrides in VARIANTS:
+            times, info = clawrl_steps(str(model_dir), device, data, steps, overrides)
+            s = statistics.median(times)
+            out["torch" if name == "default" else f"torch_{name}"] = {
+                "tok_s": tokens / s, "step_s": s, "mfu": flops / s / 1e12 / ceiling, "ratio_to_hf": hf / s,
+                "overrides": overrides, "runs_s": times, **info}
+            print(f"train {name:>24}: {tokens / s:9.0f} tok/s, MFU {flops / s / 1e12 / ceiling:.1%}, "
+                  f"{hf / s:.2f}x HF ({info})", flush=True)
+    print(f"train {'HF loop':>24}: {tokens / hf:9.0f} tok/s, MFU {out['hf']['mfu']:.1%}", flush=True)
+    return out

@@ -1,0 +1,79 @@
+"""Attention over packed sequences, one sequence at a time: document masking without a mask.
+
+A micro-batch is one row of several sequences end to end (``clawrl.trainers.batching``). Handing
+the model a dense ``[L, L]`` block-diagonal mask is correct but costs twice over: attention runs
+over the whole row (O(L^2) in the *total* length, so eight 2048-token samples cost as much as one
+16k-token one), and a mask rules out SDPA's flash and cuDNN kernels. Here the model is switched to
+an attention function registered with transformers (``AttentionInterface``) that receives the
+sequences' bounds as a keyword the model passes down to every attention call, and runs SDPA with
+``is_causal=True`` on each sequence's slice -- exactly what each sequence would compute alone, with
+the fast kernels and no mask.
+
+Models whose attention is not dispatched through ``AttentionInterface`` (old remote code) never
+call it; ``enable`` then says so and the trainer keeps the dense mask. Called without the bounds
+(the model used directly, say by a test or an evaluation), a row is one sequence, as for ``sdpa``;
+``Bounds`` counts such calls, so that the trainer notices a model that does not pass the keyword
+down to its attention and goes back to the mask rather than attend across sequences.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "clawrl_packed"
+SEGMENTS = "clawrl_segments"  # the keyword: a tuple of (start, end) token offsets, one per sequence
+
+
+_calls = threading.local()  # bare: attention calls without the bounds, on this thread
+
+
+def bare_calls() -> int:
+    """Attention calls on this thread that came without the bounds, so far."""
+    return getattr(_calls, "bare", 0)
+
+
+def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """transformers' attention signature: ``query`` ``[1, H, L, D]``, ``key``/``value`` ``[1, Hkv,
+    L, D]``; returns ``([1, L, H, D], None)`` like ``sdpa_attention_forward``, which runs each slice."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    segments = kwargs.pop(SEGMENTS, None)
+    if segments is None:
+        _calls.bare = bare_calls() + 1
+    if segments is None or len(segments) == 1:  # one sequence: the model's causal attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                   dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
+            for a, b in segments]
+    return torch.cat(outs, dim=1), None
+
+
+def enable(model) -> bool:
+    """Switch ``model`` (an HF ``PreTrainedModel``, or a peft model around one) to the packed
+    attention. False, with the reason logged, when the model cannot dispatch to it."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:  # transformers too old to have the interface
+        log.info("packed attention unavailable (transformers has no AttentionInterface): dense block masks")
+        return False
+    AttentionInterface.register(NAME, packed_attention_forward)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        base.set_attn_implementation(NAME)
+    except (AttributeError, ValueError, ImportError) as e:
+        log.info("packed attention unavailable for %s (%s): dense block masks", type(base).__name__,
+                 str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+    return getattr(base.config, "_attn_implementation", None) == NAME
+
+
+def disable(model, previous: str = "sdpa") -> None:
+    """Back to ``previous`` (the trainer's fallback when the model never passes the bounds down)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.set_attn_implementation(previous)

@@ -1,0 +1,117 @@
+"""The torch trainer's speed-ups keep its numbers (CPU, small random Qwen3): packed sequences
+attend one at a time exactly as a block mask (and as each sequence alone) does, pi_old taken from
+the loss's forward gives the same step as its own pass, and bf16 parameters with float32 masters
+take the float32 trainer's step within bf16 tolerance, keep updates below bf16's precision, and
+checkpoint their masters."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clawrl.trainers import packed_attention
+from clawrl.trainers.batching import build_micro_batch
+from test_trainer import make_samples, model_dir, on_policy, trainer_for  # noqa: F401 (fixture)
+
+
+def test_packed_attention_equals_the_block_mask_and_each_sequence_alone(model_dir):
+    trainer = trainer_for(model_dir, dtype=torch.float64)
+    assert trainer.packed
+    samples = make_samples(trainer.vocab_size, n=3, seed=5)
+    mb = build_micro_batch(samples, trainer.device)
+    with torch.no_grad():
+        packed = trainer._logits(trainer.model, mb)
+        trainer.packed = False  # the block-masked path, on the same model
+        masked = trainer._logits(trainer.model, mb)
+        trainer.packed = True
+        alone = torch.cat([trainer._logits(trainer.model, build_micro_batch([s], trainer.device)) for s in samples])
+    torch.testing.assert_close(packed, masked, atol=1e-10, rtol=0)
+    torch.testing.assert_close(packed, alone, atol=1e-10, rtol=0)
+    # sequences really do not see each other: changing the first one's prompt leaves the others' logits
+    samples[0].prompt_ids = [t + 1 for t in samples[0].prompt_ids]
+    with torch.no_grad():
+        changed = trainer._logits(trainer.model, build_micro_batch(samples, trainer.device))
+    first = len(samples[0].response_ids)
+    assert not torch.allclose(changed[:first], packed[:first])
+    torch.testing.assert_close(changed[first:], packed[first:], atol=1e-10, rtol=0)
+
+
+def test_a_model_that_drops_the_bounds_falls_back_to_the_block_mask(model_dir, monkeypatch, caplog):
+    trainer = trainer_for(model_dir, dtype=torch.float64)
+    samples = make_samples(trainer.vocab_size, n=3, seed=6)
+    mb = build_micro_batch(samples, trainer.device)
+    with torch.no_grad():
+        reference = trainer._logits(trainer.model, mb)
+    forward = trainer.model.forward
+
+    def dropping(*args, **kwargs):  # a model whose layers do not pass keywords down
+        kwargs.pop(packed_attention.SEGMENTS, None)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(trainer.model, "forward", dropping)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        fallback = trainer._logits(trainer.model, mb)
+    assert not trainer.packed and "back to block-masked attention" in caplog.text
+    torch.testing.assert_close(fallback, reference, atol=1e-10, rtol=0)
+
+
+def test_pi_old_from_the_loss_forward_gives_the_same_step(model_dir):
+    samples = make_samples(400, n=5, seed=7)
+    results, weights = {}, {}
+    for reuse in (True, False):
+        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.micro_batch_tokens=30", dtype=torch.float64)
+        assert trainer.pi_old_from_loss_forward  # no dropout, no KL reference
+        trainer.pi_old_from_loss_forward = reuse
+        on_policy(trainer, samples)
+        results[reuse] = trainer.train_step(samples, weight_version=0)
+        assert results[reuse].ok and results[reuse].metrics["micro_batches"] > 1
+        weights[reuse] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for key in ("loss", "entropy", "rollout_logprob_gap_max", "ratio_mean", "grad_norm"):
+        assert results[True].metrics[key] == pytest.approx(results[False].metrics[key], rel=1e-9, abs=1e-12), key
+    for name, p in weights[False].items():
+        torch.testing.assert_close(weights[True][name], p, atol=1e-12, rtol=0, msg=name)
+
+
+def test_dropout_or_a_kl_reference_keeps_the_separate_pi_old_pass(model_dir):
+    assert not trainer_for(model_dir, "train.kl_coef=0.1").pi_old_from_loss_forward
+    assert not trainer_for(model_dir, "train.lora.enabled=true", "train.lora.dropout=0.1").pi_old_from_loss_forward
+
+
+def test_bf16_parameters_with_float32_masters_step_like_float32(model_dir, tmp_path):
+    samples = make_samples(400, n=4, seed=8)
+    fp32 = trainer_for(model_dir, "train.lr=1e-3", "train.param_dtype=float32")
+    bf16 = trainer_for(model_dir, "train.lr=1e-3", "train.param_dtype=bfloat16")
+    assert fp32.masters is None and bf16.masters is not None
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    assert {m.dtype for m in bf16.masters.master} == {torch.float32}
+    on_policy(fp32, samples)
+    a, b = fp32.train_step(samples, 0), bf16.train_step(samples, 0)
+    assert a.ok and b.ok
+    assert b.metrics["loss"] == pytest.approx(a.metrics["loss"], rel=0.05, abs=2e-3)
+    assert b.metrics["grad_norm"] == pytest.approx(a.metrics["grad_norm"], rel=0.05)
+    named = dict(fp32.model.named_parameters())
+    for (name, p), m in zip(bf16._trainable_named().items(), bf16.masters.master):
+        torch.testing.assert_close(m, named[name].detach(), atol=2e-2, rtol=0, msg=name)  # bf16's rounding of w
+        torch.testing.assert_close(p.detach(), m.to(torch.bfloat16), atol=0, rtol=0, msg=name)  # published
+
+
+def test_updates_below_bf16_precision_accumulate_in_the_masters_and_checkpoint(model_dir):
+    trainer = trainer_for(model_dir, "train.lr=1e-6", "train.param_dtype=bfloat16", "train.grad_clip=0")
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, n=4, seed=9))
+    start = [m.detach().clone() for m in trainer.masters.master]
+    start_bf16 = [p.detach().clone() for p in trainer.params]
+    for _ in range(3):
+        assert trainer.train_step(samples, trainer.step).ok
+    total = sum(s.numel() for s in start)
+    # AdamW's first steps move nearly every weight by about lr: the masters hold those moves ...
+    moved = sum(int((m.detach() != s).sum()) for m, s in zip(trainer.masters.master, start))
+    assert moved > 0.9 * total
+    # ... which most bf16 weights (|w| >> 256 * lr) cannot represent: a bf16 optimizer would lose them
+    kept = sum(int((p.detach() == s).sum()) for p, s in zip(trainer.params, start_bf16))
+    assert kept > 0.5 * total
+    state = trainer.state_dict()
+    assert {w.dtype for w in state["weights"].values()} == {torch.float32}
+    fresh = trainer_for(model_dir, "train.lr=1e-6", "train.param_dtype=bfloat16", "train.grad_clip=0")
+    fresh.load_state_dict(state)
+    for m, n in zip(fresh.masters.master, trainer.masters.master):
+        torch.testing.assert_close(m, n, atol=0, rtol=0)
+    a, b = trainer.train_step(samples, 3), fresh.train_step(samples, 3)
+    assert a.ok and b.ok and a.metrics["loss"] == b.metrics["loss"]
