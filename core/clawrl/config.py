@@ -177,6 +177,9 @@ class TrainConfig:
                                      "forward/backward.", ge=1)
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass: less memory, "
                                           "slower steps.")
+    param_dtype: str = option("auto", "Torch trainer's parameters: bfloat16 (bf16 weights, float32 master weights, "
+                              "gradients and AdamW state) | float32 (float32 weights, bf16 autocast on a GPU) | "
+                              "auto (bfloat16 on a GPU, float32 on CPU).", choices=("auto", "bfloat16", "float32"))
     save_every: int = option(10, "Checkpoint every N train steps (written atomically).", ge=1)
     keep_last: int = option(3, "Checkpoints kept; older ones are pruned.", ge=1)
     max_weight_lag: int = option(4, "A sample whose oldest token is more than this many weight versions behind "
