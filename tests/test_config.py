@@ -395,6 +395,7 @@ def test_choices_match_what_core_accepts():
     from clawrl.envs import sandbox
     from clawrl.engines import static_decode
     from clawrl.envs import source as env_source
+    from clawrl.envs.swe import env as swe_env
     from clawrl.judges.hints import HINT_KINDS
     from clawrl.losses import AGGREGATION_MODES, GROUP_MODES
     from clawrl.losses.kl import KL_ESTIMATORS
@@ -410,7 +411,7 @@ def test_choices_match_what_core_accepts():
         "opd.topk_kl": TOPK_KL, "logging.wandb.mode": metrics.WANDB_MODES, "demo.user": tuple(USERS),
         "sandbox.backend": sandbox.BACKEND_CHOICES, "env.sample_mode": env_source.SAMPLE_MODES,
         "env.step_judge": env_source.STEP_JUDGES, "engine.decode_attention": static_decode.ATTENTIONS,
-        "train.param_dtype": ("auto", *torch_trainer.PARAM_DTYPES),
+        "train.param_dtype": ("auto", *torch_trainer.PARAM_DTYPES), "env.swe_reward": swe_env.REWARDS,
     }
     choices = {key: f.metadata["choices"] for key, f in _leaves(ClawrlConfig) if f.metadata.get("choices")}
     for key, accepted in core.items():

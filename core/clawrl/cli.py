@@ -119,7 +119,16 @@ def _parser() -> argparse.ArgumentParser:
     ee.add_argument("--temperature", default="0", metavar="T",
                     help="sampling temperature (default: 0, greedy); each play samples with its own seed")
     ee.add_argument("--limit", default=None, metavar="N", help="only the first N tasks of the split")
-    for p_ in (el, ec, er, ee):
+    eb = esub.add_parser("build", help="build an environment's task set (swe-rl: SWE-bench instances from pinned "
+                                       "packages); progress on stderr, the last line of stdout is JSON",
+                         description="Build the task set of a method directory whose environment has one to build "
+                                     "(swe-rl: bugs injected into the packages of its packages.toml, kept when "
+                                     "their own tests catch them). The same seed gives the same tasks.")
+    eb.add_argument("--seed", default="0", metavar="N", help="which bugs are picked (default: 0)")
+    eb.add_argument("--force", action="store_true", help="rebuild over an existing task set")
+    eb.add_argument("--packages", default=None, metavar="A,B", help="only these packages (default: all)")
+    eb.add_argument("--out", default=None, metavar="DIR", help="where to write it (default: the method's env.tasks)")
+    for p_ in (el, ec, er, ee, eb):
         p_.add_argument("target", metavar="NAME|PATH")
         p_.add_argument("overrides", nargs="*", help="key=value config overrides (env.*, sandbox.*, model.path, ...)")
 

@@ -333,6 +333,9 @@ class EnvConfig:
     eval_split: str = option("test", "The held-out split of the periodic evaluation.", nonempty=True)
     eval_limit: Optional[int] = option(None, "Evaluate on the first N tasks of env.eval_split only (the "
                                        "periodic evaluation is greedy, one play per task). null: all.", ge=1)
+    swe_reward: str = option("resolved", "env.name=swe's reward: resolved (+1 when the episode's patch resolves the "
+                             "instance, else -1) | f2p_share (2 x the share of FAIL_TO_PASS tests that pass - 1, "
+                             "and -1 when a PASS_TO_PASS test breaks).", choices=("resolved", "f2p_share"))
 
 
 @dataclass(frozen=True)

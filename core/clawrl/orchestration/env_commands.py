@@ -6,6 +6,7 @@ directory, a directory of tasks (formats may be mixed), a ``dataset.toml`` direc
 ``.jsonl`` instance file (``clawrl.envs.task_formats.discover``).
 
 - ``list`` prints ``ID<TAB>SPLIT<TAB>FORMAT`` per task.
+- ``build`` builds an environment's task set (swe-rl: ``clawrl.orchestration.env_build``).
 - ``check`` plays the oracle and the no-op on every task and prints one JSON line per task; it
   exits 0 when at least one oracle ran and none failed (oracle at full reward, no-op below it).
 - ``run`` plays one episode (oracle, no-op or the model) and ends with one JSON line.
@@ -32,6 +33,7 @@ from clawrl.envs import EnvError
 from clawrl.envs.scripted import NOP, ORACLE, EpisodeReport, NoOracle, play, success_of
 from clawrl.envs.task_formats import TaskRecord, discover
 from clawrl.errors import CliError
+from clawrl.orchestration.env_build import build_cli
 from clawrl.orchestration.evaluation import episode_env, evaluate, model_episode, open_eval_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -89,7 +91,11 @@ def resolve(target: str, overrides: list[str]) -> TaskSet:
 
 
 def env_cli(args) -> int:
-    """``clawrl env list|check|run``."""
+    """``clawrl env list|check|run|eval|build``."""
+    if args.env_cmd == "build":
+        path = Path(args.target).expanduser()
+        return build_cli(args, method_dir(args.target) if not path.exists() or (path / METHOD_CONFIG).is_file()
+                         else None)
     task_set = resolve(args.target, args.overrides)
     if args.env_cmd == "list":
         for r in task_set.records:

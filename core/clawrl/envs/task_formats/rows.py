@@ -1,7 +1,7 @@
 """Row datasets in rLLM's layout: ``dataset.toml`` (optional; ``name``, ``description``) beside
 ``data/<split>.jsonl``, one JSON object per task, or a bare ``.jsonl`` instance file.
 
-A row's ``task_id`` (or ``id``) names it; without one the task is named by its split and line
+A row's ``task_id`` (or ``id``, or a SWE-bench ``instance_id``) names it; without one the task is named by its split and line
 number, so ids stay stable as long as the file does. Everything else in the row is the task's
 data, handed to the environment's ``reset``. A file's split is its stem (``data/test.jsonl``:
 test).
@@ -42,7 +42,8 @@ def read_rows(file: Path, split: str) -> list[Task]:
             raise EnvError(f"{file}:{n}: not JSON ({e})") from None
         if not isinstance(row, dict):
             raise EnvError(f"{file}:{n}: a task is a JSON object")
-        task_id = str(row.pop("task_id", row.pop("id", f"{split}-{n}")))
+        # SWE-bench instance files name their rows by instance_id, which the row keeps
+        task_id = str(row.pop("task_id", row.pop("id", row.get("instance_id", f"{split}-{n}"))))
         tasks.append(Task(task_id=task_id, data=row))
     return tasks
 
