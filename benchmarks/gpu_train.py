@@ -113,7 +113,9 @@ def clawrl_steps(model_dir: str, device: str, batch: list, steps: int, overrides
         assert result.ok, result
         last.update(result.metrics)
     times = timed_steps(step, 1, steps)
-    info = {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else 0.0,
+    cuda = device == "cuda"
+    info = {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
             "param_dtype": str(trainer.param_dtype).removeprefix("torch."), "packed_attention": trainer.packed,
             "pi_old_from_loss_forward": trainer.pi_old_from_loss_forward, "micro_batches": last["micro_batches"]}
     del trainer
@@ -126,6 +128,7 @@ def clawrl_steps(model_dir: str, device: str, batch: list, steps: int, overrides
 VARIANTS = [
     ("default", []),
     ("gradient_checkpointing", ["train.gradient_checkpointing=true"]),
+    ("two_micro_batches", ["train.micro_batch_tokens=8192"]),
     ("float32_params_autocast", ["train.param_dtype=float32"]),
 ]
 

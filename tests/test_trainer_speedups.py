@@ -115,3 +115,42 @@ def test_updates_below_bf16_precision_accumulate_in_the_masters_and_checkpoint(m
         torch.testing.assert_close(m, n, atol=0, rtol=0)
     a, b = trainer.train_step(samples, 3), fresh.train_step(samples, 3)
     assert a.ok and b.ok and a.metrics["loss"] == b.metrics["loss"]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_logprobs_keep_no_float32_copy_and_match_the_plain_path(temperature):
+    from clawrl.losses import token_logprobs
+
+    torch.manual_seed(0)
+    logits = (torch.randn(37, 101) * 3).to(torch.bfloat16).requires_grad_()
+    targets, weights = torch.randint(0, 101, (37,)), torch.randn(37)
+    chunked = token_logprobs(logits, targets, temperature=temperature, chunk_size=8)
+    assert chunked.grad_fn is not None and "Chunked" in type(chunked.grad_fn).__name__
+    (chunked * weights).sum().backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    plain = token_logprobs(logits.float(), targets, temperature=temperature)  # the float32 copy, autograd
+    (plain * weights).sum().backward()
+    torch.testing.assert_close(chunked, plain, atol=1e-6, rtol=0)
+    torch.testing.assert_close(grad.float(), logits.grad.float(), atol=1e-2, rtol=1e-2)  # bf16 gradients
+    assert grad.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        token_logprobs(logits, targets, temperature=0.0)
+
+
+def test_one_pass_logprobs_and_entropy_equal_the_two_functions():
+    from clawrl.losses import token_entropy, token_logprobs
+    from clawrl.losses.logits import token_logprobs_and_entropy
+
+    torch.manual_seed(1)
+    logits = (torch.randn(29, 97) * 2).to(torch.bfloat16)
+    logits[3, 5] = float("-inf")  # a banned token: no NaN in either
+    logits.requires_grad_()
+    targets = torch.randint(0, 97, (29,))
+    targets[3] = 6
+    lp, entropy = token_logprobs_and_entropy(logits, targets, chunk_size=7)
+    assert not entropy.requires_grad and lp.requires_grad
+    torch.testing.assert_close(lp, token_logprobs(logits.detach().float(), targets), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, token_entropy(logits.detach().float()), atol=1e-5, rtol=0)
+    lp.sum().backward()
+    assert torch.isfinite(logits.grad.float()).all()

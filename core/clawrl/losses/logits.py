@@ -8,7 +8,10 @@ Both compute in at least float32 (bf16 logsumexp over 150k logits loses ~2 digit
 logits by ``1 / temperature`` first, so the logprobs match the distribution the engine sampled
 from. ``chunk_size`` bounds the float32 copy of the logits to ``chunk_size x V`` at a time; that
 bounds peak memory under ``torch.no_grad()`` (old/ref logprob recomputation). With autograd on,
-each chunk's copy is kept for backward, so chunking does not lower the training-step peak.
+each chunk's copy is kept for backward -- except in ``token_logprobs`` of lower-precision logits
+(bf16 on a GPU), which keeps no float32 copy at all: its backward recomputes each chunk's softmax
+from the bf16 logits and the saved logsumexp (``_ChunkedTokenLogprobs``), so a step over 16k
+tokens of a 150k vocabulary does not hold 10 GB of float32 logits for the backward pass.
 """
 from __future__ import annotations
 
@@ -39,6 +42,74 @@ def _per_token(logits: torch.Tensor, temperature: float, chunk_size: int | None,
     return torch.cat(parts)
 
 
+DEFAULT_CHUNK = 4096  # rows of float32 working copy at a time in the chunked autograd path
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """``z[t, target] - logsumexp(z[t])`` with ``z = logits / temperature`` computed in float32 a
+    chunk of rows at a time; saves the (low-precision) logits, targets and logsumexp only. The
+    gradient ``(onehot(target) - softmax(z)) / temperature`` is rebuilt chunk by chunk in backward.
+    With ``entropy``, each chunk's entropy is taken from the same float32 copy (a metric: no
+    gradient), so a step that logs it reads the logits once, not twice."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, chunk: int, entropy: bool):
+        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        lse, ent = torch.empty_like(out), torch.empty_like(out) if entropy else None
+        for start in range(0, logits.shape[0], chunk):
+            end = start + chunk
+            z = logits[start:end].to(torch.float32)
+            if temperature != 1.0:
+                z = z / temperature
+            lse[start:end] = torch.logsumexp(z, dim=-1)
+            out[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
+            if entropy:
+                p = torch.exp(z - lse[start:end, None])
+                ent[start:end] = lse[start:end] - (p * z.masked_fill_(torch.isneginf(z), 0.0)).sum(-1)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if entropy:
+            ctx.mark_non_differentiable(ent)
+            return out, ent
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_entropy=None):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        t, chunk = ctx.temperature, ctx.chunk
+        for start in range(0, logits.shape[0], chunk):
+            end = start + chunk
+            z = logits[start:end].to(torch.float32)
+            if t != 1.0:
+                z = z / t
+            g = torch.exp(z - lse[start:end, None]).mul_(-grad_out[start:end, None])
+            g.scatter_add_(-1, targets[start:end, None], grad_out[start:end, None])
+            grad[start:end] = g / t if t != 1.0 else g
+        return grad, None, None, None, None
+
+
+def _checked_targets(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    if target_ids.shape != logits.shape[:1]:
+        raise ValueError(f"target_ids must be [T]={logits.shape[0]}, got shape {tuple(target_ids.shape)}")
+    targets = target_ids.long()
+    if targets.numel() and (targets.min() < 0 or targets.max() >= logits.shape[-1]):
+        raise ValueError(f"target_ids must lie in [0, {logits.shape[-1]})")
+    return targets
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor,
+                               chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` (with its gradient) and the detached ``token_entropy`` of the same
+    logits, in one pass over bf16 ones."""
+    if logits.requires_grad and torch.is_grad_enabled() and logits.dtype in (torch.bfloat16, torch.float16):
+        next(_scaled_chunks(logits[:0], 1.0, chunk_size), None)  # the argument checks
+        return _ChunkedTokenLogprobs.apply(logits, _checked_targets(logits, target_ids), 1.0, chunk_size, True)
+    with torch.no_grad():
+        entropy = token_entropy(logits.detach(), chunk_size=chunk_size)
+    return token_logprobs(logits, target_ids), entropy
+
+
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0,
                    chunk_size: int | None = None) -> torch.Tensor:
     """``log softmax(logits / temperature)[t, target_ids[t]]`` for each token, ``[T, V] -> [T]``.
@@ -47,11 +118,10 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: 
     ``[T, V]`` log-softmax tensor. ``logits[t]`` must be the prediction for ``target_ids[t]``
     (the caller shifts by one).
     """
-    if target_ids.shape != logits.shape[:1]:
-        raise ValueError(f"target_ids must be [T]={logits.shape[0]}, got shape {tuple(target_ids.shape)}")
-    targets = target_ids.long()
-    if targets.numel() and (targets.min() < 0 or targets.max() >= logits.shape[-1]):
-        raise ValueError(f"target_ids must lie in [0, {logits.shape[-1]})")
+    targets = _checked_targets(logits, target_ids)
+    if logits.requires_grad and torch.is_grad_enabled() and logits.dtype in (torch.bfloat16, torch.float16):
+        next(_scaled_chunks(logits[:0], temperature, chunk_size), None)  # the same argument checks
+        return _ChunkedTokenLogprobs.apply(logits, targets, float(temperature), chunk_size or DEFAULT_CHUNK, False)
 
     def chunk(start: int, z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         t = targets[start:start + z.shape[0]].unsqueeze(-1)

@@ -37,10 +37,13 @@ class VocabOps(Protocol):
 class FullLogits:
     """``VocabOps`` over full ``[T, V]`` logits on one device."""
 
-    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor):
-        self.logits, self.temperature = logits, temperature
+    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, logprobs: torch.Tensor | None = None):
+        # logprobs: the targets' logprobs when the caller has them already (same graph, not recomputed)
+        self.logits, self.temperature, self._logprobs = logits, temperature, logprobs
 
     def logprobs(self, targets: torch.Tensor) -> torch.Tensor:
+        if self._logprobs is not None:
+            return self._logprobs
         return token_logprobs(self.logits, targets)
 
     def entropy(self) -> torch.Tensor:

@@ -48,9 +48,11 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     if segments is None or len(segments) == 1:  # one sequence: the model's causal attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                                   dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
-            for a, b in segments]
+    # split, not slice: split's backward is one concatenation, a slice's a zero-filled full copy each
+    lengths = [b - a for a, b in segments]
+    outs = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                   **kwargs)[0]
+            for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))]
     return torch.cat(outs, dim=1), None
 
 

@@ -50,6 +50,7 @@ import torch
 from clawrl.config import ClawrlConfig
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
 from clawrl.losses import aggregation_denominator, token_entropy, token_logprobs
+from clawrl.losses.logits import DEFAULT_CHUNK, token_logprobs_and_entropy
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
@@ -104,7 +105,10 @@ class TorchTrainer(Trainer):
             # Full fine-tuning moves every weight, so the KL reference must be its own frozen copy.
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if train_cfg.gradient_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            # transformers renamed it (5.2x); the GPU image's 5.17 has the old name only
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable(**{"activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else
+                      "gradient_checkpointing_kwargs": {"use_reentrant": False}})
         model.config.use_cache = False
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -154,7 +158,9 @@ class TorchTrainer(Trainer):
     # ---------------------------------------------------------------- forward
 
     def _logits(self, model, mb: MicroBatch) -> torch.Tensor:
-        """Float32+ logits ``[T, V]`` of the response-predicting positions, scaled by temperature."""
+        """Logits ``[T, V]`` of the response-predicting positions, scaled by temperature, in the
+        model's output dtype: bf16 ones are never copied whole into float32 (``clawrl.losses.logits``
+        works on float32 chunks of them)."""
         extra, mask = {}, None  # one sequence: the model's own causal attention (no [L, L] mask to hold)
         if self.packed:
             extra[packed_attention.SEGMENTS] = mb.bounds
@@ -173,16 +179,16 @@ class TorchTrainer(Trainer):
             packed_attention.disable(self.model, self.attention_before)
             self.packed = False
             return self._logits(model, mb)
-        logits = out.logits[0].to(torch.promote_types(out.logits.dtype, torch.float32))
-        if bool((mb.temperature != 1.0).any()):
-            logits = logits / mb.temperature.to(logits.dtype)[:, None]
+        logits = out.logits[0]
+        if bool((mb.temperature != 1.0).any()):  # rare (greedy or T=1 is the rule); divided in float32
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / mb.temperature[:, None]
         return logits
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.lora:
             with self.model.disable_adapter():
-                return token_logprobs(self._logits(self.model, mb), mb.targets)
-        return token_logprobs(self._logits(self.ref_model, mb), mb.targets)
+                return token_logprobs(self._logits(self.model, mb), mb.targets, chunk_size=DEFAULT_CHUNK)
+        return token_logprobs(self._logits(self.ref_model, mb), mb.targets, chunk_size=DEFAULT_CHUNK)
 
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-response-token logprobs of each sample under the current weights (no update)."""
@@ -194,7 +200,7 @@ class TorchTrainer(Trainer):
             with torch.no_grad():
                 for group in pack(samples, self.train_cfg.micro_batch_tokens):
                     mb = build_micro_batch([samples[i] for i in group], self.device)
-                    lps = token_logprobs(self._logits(self.model, mb), mb.targets).tolist()
+                    lps = token_logprobs(self._logits(self.model, mb), mb.targets, chunk_size=DEFAULT_CHUNK).tolist()
                     cu = mb.cu_seqlens.tolist()
                     out += [lps[a:b] for a, b in zip(cu[:-1], cu[1:])]
             return out
@@ -243,12 +249,13 @@ class TorchTrainer(Trainer):
         stats = StepStats()
         for mb, old, ref in zip(batches, olds, refs):
             logits = self._logits(self.model, mb)
-            if old is None:
-                with torch.no_grad():
-                    old, entropy = self._old_and_entropy(logits.detach(), mb)
-                    entropy_sum += entropy
-                    gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
-            loss, sums = self.objective.loss(FullLogits(logits, mb.temperature), mb, old, ref, denominator)
+            lp = None
+            if old is None:  # pi_old is this forward's own logprobs, detached
+                lp, entropy = token_logprobs_and_entropy(logits, mb.targets, DEFAULT_CHUNK)
+                old = lp.detach()
+                entropy_sum += float((entropy * mb.loss_mask).sum())
+                gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
+            loss, sums = self.objective.loss(FullLogits(logits, mb.temperature, lp), mb, old, ref, denominator)
             if not torch.isfinite(loss):
                 return self._skip(metrics, "nonfinite_loss")
             loss.backward()
@@ -278,7 +285,8 @@ class TorchTrainer(Trainer):
     @staticmethod
     def _old_and_entropy(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, float]:
         """pi_old's logprobs of the response tokens, and the sum of the trained tokens' entropies."""
-        return token_logprobs(logits, mb.targets), float((token_entropy(logits) * mb.loss_mask).sum())
+        return (token_logprobs(logits, mb.targets, chunk_size=DEFAULT_CHUNK),
+                float((token_entropy(logits, chunk_size=DEFAULT_CHUNK) * mb.loss_mask).sum()))
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
