@@ -315,6 +315,7 @@ def test_per_turn_samples_train_through_the_learner(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("recipe, overrides", [
     ("toolcall-rl", ["env.max_turns=2", "env.max_tokens_per_turn=24"]),
     ("terminal-rl", ["env.max_turns=1", "env.max_tokens_per_turn=16", "env.episode_timeout_s=120"]),
+    ("swe-rl", ["env.max_turns=1", "env.max_tokens_per_turn=16", "env.episode_timeout_s=120"]),
 ])
 def test_each_environment_trains_one_step_with_the_embedded_model(tiny_model_dir, tmp_path, recipe, overrides):
     """Groups of one train on their own reward (nothing to compare, nothing filtered), so the step

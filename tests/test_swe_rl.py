@@ -24,6 +24,7 @@ from clawrl.envs.swe.build import PackagePlan, build, read_plans
 from clawrl.envs.swe.env import SweEnv, reward_of
 from clawrl.envs.swe.evaluate import Verdict, evaluate
 from clawrl.envs.swe.instances import instance_of, refusal
+from clawrl.envs.swe.testbed import parse_summary
 from clawrl.envs.task_formats import discover
 from tests.required_tools import skip_unless_available
 
@@ -76,6 +77,16 @@ def test_official_instances_are_read_and_refused_with_the_reason():
         instance_of(Task("x", {k: v for k, v in row.items() if k != "FAIL_TO_PASS"}))
     with pytest.raises(EnvError, match="needs its Docker image"):
         asyncio.run(SweEnv(SandboxConfig(), 30.0).reset(Task("astropy__astropy-12907", row)))
+
+
+def test_outcomes_are_read_from_the_rA_summary_ids_with_spaces_and_dashes_included():
+    text = ("....F\n=== short test summary info ===\nPASSED t.py::test_a[x - y]\nPASSED t.py::test_b[-1--1st]\n"
+            "FAILED t.py::test_c[a b] - AssertionError: assert [1] == [2]\nERROR t.py - ImportError: nope\n"
+            "XFAIL t.py::test_d - known\nSKIPPED [1] t.py:3: no\n1 failed, 2 passed in 0.1s\n")
+    outcomes, messages = parse_summary(text)
+    assert outcomes == {"t.py::test_a[x - y]": "PASSED", "t.py::test_b[-1--1st]": "PASSED", "t.py::test_c[a b]": "FAILED",
+                        "t.py": "ERROR", "t.py::test_d": "XFAIL"}
+    assert messages["t.py::test_c[a b]"] == "AssertionError: assert [1] == [2]"
 
 
 def test_the_f2p_share_reward_is_minus_one_when_a_passing_test_breaks():

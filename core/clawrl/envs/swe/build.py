@@ -2,8 +2,9 @@
 
 For each pinned package (``packages.toml``, ``clawrl.envs.swe.sdists``), in one sandbox:
 
-1. the sdist is unpacked into a git working copy and its tests run once; the tests that pass are
-   the baseline (the ones that already fail are left out of every instance);
+1. the sdist is unpacked into a git working copy and its tests run twice; the tests that pass are
+   the baseline (the ones that already fail are left out of every instance), and a package whose
+   two runs disagree (flaky tests, or test ids that change from run to run) is refused;
 2. mutation sites are listed over the package's source files (``clawrl.envs.swe.mutations``) and
    visited in an order the seed fixes: shuffled per kind, then dealt round-robin across kinds so
    that every kind of bug gets its turn;
@@ -97,6 +98,10 @@ async def build_package(sandbox_cfg, plan: PackagePlan, seed: int,
         passing = sorted(t for t in baseline.outcomes if baseline.passing(t))
         if baseline.timed_out or not passing:
             raise EnvError(f"{pkg.name} {pkg.version}: its tests do not pass here ({baseline.tail[-300:]})")
+        again = await run_tests(sandbox, pkg, timeout_s=600)
+        if sorted(t for t in again.outcomes if again.passing(t)) != passing:
+            raise EnvError(f"{pkg.name} {pkg.version}: two runs of its tests disagree on which tests pass (ids "
+                           f"that change between runs, or flaky tests); instances would not replay")
         limit = pkg.test_timeout_s
         sources = {path: (await sandbox.read_file(f"{WORKDIR}/{path}")).decode() for path in pkg.source}
         order = _visit_order(sources, seed, pkg.name)
