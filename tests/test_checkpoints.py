@@ -167,3 +167,53 @@ def test_lora_checkpoint_holds_only_the_adapter(model_dir, tmp_path):
     full, _ = new_trainer(model_dir)
     with pytest.raises(CheckpointError, match="lora weights but the trainer is set up for full"):
         CheckpointStore(tmp_path, cfg.train).resume(full)
+
+
+def test_only_the_newest_checkpoint_keeps_the_optimizer_and_an_older_one_restarts_it(model_dir, tmp_path, caplog):
+    trainer, cfg = new_trainer(model_dir, "train.keep_last=3")
+    store = CheckpointStore(tmp_path, cfg.train)
+    weights = {}
+    for step in (1, 2, 3):
+        assert trainer.train_step(batch(trainer, step), step - 1).ok
+        store.save(trainer, step)
+        weights[step] = params(trainer)
+    root = tmp_path / "checkpoints"
+    assert [s for s in (1, 2, 3) if (root / f"step_{s}" / "optimizer.pt").exists()] == [3]
+    for s in (1, 2, 3):  # every checkpoint stays valid, its manifest naming exactly its files
+        assert set(store.verify(s)["files"]) == {"weights.safetensors", "trainer_state.pt"} | (
+            {"optimizer.pt"} if s == 3 else set())
+    # the newest resumes exactly, moments and all
+    resumed, _ = new_trainer(model_dir, "train.keep_last=3")
+    store.resume(resumed)
+    assert resumed.optimizer.state_dict()["state"] and params(resumed).keys() == weights[3].keys()
+    # a fallback past a corrupt newest (as a rollback would) takes step 2's weights and restarts AdamW
+    (root / "step_3" / "weights.safetensors").write_bytes(b"garbage")
+    older, _ = new_trainer(model_dir, "train.keep_last=3")
+    with caplog.at_level(logging.WARNING):
+        state = store.resume(older)
+    assert state.step == 2 and "AdamW restarts with zero moments" in caplog.text
+    assert not older.optimizer.state_dict()["state"]
+    for name, p in params(older).items():
+        assert torch.equal(p, weights[2][name]), name
+    assert older.train_step(batch(older, 9), 2).ok  # and it trains on from there
+
+
+def test_weights_are_kept_in_the_serving_dtype_and_the_newest_resumes_at_full_precision(model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    # the engine serves bf16, the trainer keeps float32: weights.safetensors in bf16, float32 beside it
+    trainer, cfg = new_trainer(model_dir, "model.dtype=bfloat16", "train.lr=1e-3")
+    store = CheckpointStore(tmp_path, cfg.train)
+    for step in (1, 2):
+        assert trainer.train_step(batch(trainer, step), step - 1).ok
+        store.save(trainer, step)
+    full = params(trainer)
+    for step in (1, 2):
+        on_disk = load_file(str(tmp_path / "checkpoints" / f"step_{step}" / "weights.safetensors"))
+        assert {v.dtype for v in on_disk.values()} == {torch.bfloat16}
+    step_2 = load_file(str(tmp_path / "checkpoints" / "step_2" / "weights.safetensors"))
+    assert all(torch.equal(step_2[k], v.to(torch.bfloat16)) for k, v in full.items())
+    resumed, _ = new_trainer(model_dir, "model.dtype=bfloat16", "train.lr=1e-3")
+    store.resume(resumed)
+    for name, p in params(resumed).items():  # float32, not the bf16 rounding
+        assert p.dtype == torch.float32 and torch.equal(p, full[name]), name

@@ -197,7 +197,8 @@ def test_adapter_is_a_peft_adapter_directory_that_peft_loads_over_the_base(base,
     ids = prompt_ids(base)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(out))
     adapted = logits(peft_model, ids)
-    torch.testing.assert_close(adapted, logits(with_weights(base, served[1]), ids), atol=1e-5, rtol=0)
+    # unmerged (x W + s x A B) against merged (x (W + s B A)): float32 reassociation, about 1e-5 on these logits
+    torch.testing.assert_close(adapted, logits(with_weights(base, served[1]), ids), atol=5e-5, rtol=0)
     assert (adapted - logits(base, ids)).abs().max() > 1e-4
     assert AutoTokenizer.from_pretrained(str(out)).chat_template  # the chat template travels with it
     assert not (out / "clawrl.yaml").exists()  # the base's clawrl defaults belong to a model directory

@@ -42,13 +42,16 @@ def train_steps(url, pairs, step):
 
 
 def checkpoint(run: Path, step: int) -> dict[str, torch.Tensor]:
-    """Every tensor of checkpoint ``step``: the weights and the optimizer state (the RNG state is left
-    out: the online run's process also sampled replies from it, and training draws nothing from it)."""
+    """Every tensor of checkpoint ``step``: the weights and the optimizer state, which only the newest
+    checkpoint keeps (the RNG state is left out: the online run's process also sampled replies from
+    it, and training draws nothing from it)."""
     d = run / "checkpoints" / f"step_{step}"
     out = {f"weights/{k}": v for k, v in load_file(str(d / "weights.safetensors")).items()}
     state = torch.load(d / "trainer_state.pt", weights_only=True)
-    for pid, moments in state["optimizer"]["state"].items():
-        out.update({f"optimizer/{pid}/{k}": v for k, v in moments.items()})
+    if (d / "optimizer.pt").exists():
+        optimizer = torch.load(d / "optimizer.pt", weights_only=True)["optimizer"]
+        for pid, moments in optimizer["state"].items():
+            out.update({f"optimizer/{pid}/{k}": v for k, v in moments.items()})
     out["step"] = torch.tensor(state["step"])
     out["weight_version"] = torch.tensor(state["weight_version"])
     return out
@@ -111,13 +114,19 @@ def test_a_replay_beside_the_live_server_reproduces_every_checkpoint_bit_for_bit
 def test_a_run_killed_and_resumed_replays_bit_for_bit(model_dir, tmp_path):
     run = tmp_path / "D"
     app, learner, store = make_app(model_dir, run, *RUN[2:])
+    step_1 = run / "checkpoints" / "step_1"
     with ServerThread(app) as srv:
         train_steps(srv.url, FEEDBACK[0:2], 1)
+        kept = {name: (step_1 / name).read_bytes() for name in ("optimizer.pt", "manifest.json")}
         train_steps(srv.url, FEEDBACK[2:4], 2)
     store.close()
     # What kill -9 between step 2's weight push and its checkpoint leaves: step 2 trained and its samples
-    # marked, no checkpoint of it. The restart resumes step 1 and trains those samples again.
+    # marked, no checkpoint of it, and step 1 still the newest, optimizer state and all. The restart
+    # resumes step 1 and trains those samples again.
     shutil.rmtree(run / "checkpoints" / "step_2")
+    assert not (step_1 / "optimizer.pt").exists()  # dropped once step 2's checkpoint was complete
+    for name, data in kept.items():
+        (step_1 / name).write_bytes(data)
     app, learner, store = make_app(model_dir, run, *RUN[2:])
     with ServerThread(app) as srv:
         wait_for(srv.url, lambda s: s["training"]["train_step"] == 2)

@@ -2,8 +2,10 @@
 
 Layout under ``run_dir/checkpoints/``::
 
-    step_<N>/weights.safetensors    full model (or adapter.safetensors: the LoRA adapter alone)
-    step_<N>/trainer_state.pt       optimizer, RNG, step, weight version, buffer state
+    step_<N>/weights.safetensors    full model in the serving dtype (or adapter.safetensors: the LoRA adapter alone)
+    step_<N>/trainer_state.pt       RNG, step, weight version, buffer state
+    step_<N>/optimizer.pt           the newest checkpoint only: optimizer state, and the trainer's
+                                    higher-precision weights when they differ from the served ones
     step_<N>/manifest.json          step, weight version, kind, sha256 + size of every file
     VERSION                         the highest weight version ever served (a high-water mark)
     ROLLBACK                        a pending or applied rollback (see ``rollback``)
@@ -22,6 +24,14 @@ sample of the abandoned line simply becomes older by version arithmetic.
 Rollback (``clawrl rollback --run-dir D --to V``) only writes ``ROLLBACK``; the next start applies
 it: it loads the checkpoint of version ``V``, saves it again as a new checkpoint with a higher step
 and the new version, and records the abandoned steps so a later fallback never resumes them.
+
+Size. On a GPU the trainer keeps float32 masters and AdamW moments: for a 1.7B model 6.9 GB of
+masters and 13.8 GB of moments beside 3.4 GB of bf16 weights. Every checkpoint keeps the weights in
+the dtype the engine serves (what an export or a rollback serves); only the newest keeps
+``optimizer.pt``, which a resume needs to continue exactly. Writing a checkpoint drops the
+previous ones' (manifest first, then the file, so a crash leaves each checkpoint valid). A resume
+from an older one -- a rollback, or a fallback past a corrupt newest -- restarts the optimizer from
+the served weights, and the trainer says so in the log.
 """
 from __future__ import annotations
 
@@ -45,6 +55,7 @@ from clawrl.trainers.base import Trainer, TrainerError
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
+OPTIMIZER_FILE = "optimizer.pt"
 MANIFEST = "manifest.json"
 VERSION_FILE = "VERSION"
 ROLLBACK_FILE = "ROLLBACK"
@@ -172,6 +183,12 @@ class CheckpointStore:
         step = trainer.step
         state = trainer.state_dict()
         weights = {k: v.contiguous() for k, v in state.pop("weights").items()}
+        optimizer = {"optimizer": state.pop("optimizer", None), "weights": None}
+        serve_dtype = getattr(trainer, "serve_dtype", None)
+        if serve_dtype is not None and any(v.is_floating_point() and v.dtype != serve_dtype for v in weights.values()):
+            # the served dtype for every checkpoint; the trainer's own precision for the newest only
+            optimizer["weights"] = weights
+            weights = {k: v.to(serve_dtype) if v.is_floating_point() else v for k, v in weights.items()}
         kind = state["kind"]
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-step_{step}-{os.getpid()}"
@@ -180,11 +197,15 @@ class CheckpointStore:
         weights_file = "adapter.safetensors" if kind == "lora" else "weights.safetensors"
         save_file(weights, str(tmp / weights_file), metadata={"step": str(step), "kind": kind})
         torch.save({**state, "weight_version": int(weight_version), "buffer_state": buffer_state}, tmp / STATE_FILE)
+        names = [weights_file, STATE_FILE]
+        if optimizer["optimizer"] is not None:
+            torch.save(optimizer, tmp / OPTIMIZER_FILE)
+            names.append(OPTIMIZER_FILE)
         files = {}
-        for name in (weights_file, STATE_FILE):
+        for name in names:
             _fsync(tmp / name)
             files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-        manifest = {"format": 1, "step": step, "weight_version": int(weight_version), "kind": kind,
+        manifest = {"format": 2, "step": step, "weight_version": int(weight_version), "kind": kind,
                     "created_at": time.time(), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         _fsync(tmp / MANIFEST)
@@ -199,9 +220,25 @@ class CheckpointStore:
             os.replace(tmp, final)
         _fsync(self.root)
         self.record_version(weight_version)
-        log.info("checkpoint %s saved (weight version %d, %s)", final, weight_version, kind)
+        log.info("checkpoint %s saved (weight version %d, %s, %s)", final, weight_version, kind,
+                 f"{sum(m['bytes'] for m in files.values()) / 2**20:.1f} MiB")
         self._prune()
+        self._drop_optimizer_state(keep=step)
         return final
+
+    def _drop_optimizer_state(self, keep: int) -> None:
+        """Only the newest checkpoint keeps ``optimizer.pt``: each other one loses it, manifest first
+        (an atomic rewrite), then the file, so that every checkpoint stays valid at every moment."""
+        for step in self.steps():
+            path = self.path(step)
+            if step == keep or not (path / OPTIMIZER_FILE).exists():
+                continue
+            manifest = self.manifest(step)
+            if manifest is not None and OPTIMIZER_FILE in manifest.get("files", {}):
+                manifest["files"] = {k: v for k, v in manifest["files"].items() if k != OPTIMIZER_FILE}
+                _write_json(path / MANIFEST, manifest)
+            (path / OPTIMIZER_FILE).unlink(missing_ok=True)
+            log.info("checkpoint step_%d: optimizer state dropped (only the newest, step_%d, keeps it)", step, keep)
 
     def _prune(self) -> None:
         """Keep the newest ``keep_last`` checkpoints of the live line. Checkpoints of an abandoned
@@ -247,6 +284,11 @@ class CheckpointStore:
         try:
             state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
             state["weights"] = load_file(str(path / weights_file))
+            if OPTIMIZER_FILE in manifest["files"]:
+                extra = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+                state["optimizer"] = extra["optimizer"]
+                if extra.get("weights") is not None:  # the trainer's own precision, not the served rounding
+                    state["weights"] = extra["weights"]
         except Exception as e:  # checksums matched, yet unreadable: written by an incompatible version
             reason = str(e).splitlines()[0][:200] if str(e) else ""
             raise CorruptCheckpoint(f"{path} is unreadable: {type(e).__name__}: {reason}") from None

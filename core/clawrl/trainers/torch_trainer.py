@@ -376,7 +376,14 @@ class TorchTrainer(Trainer):
                     p.copy_(weights[name].to(device=p.device, dtype=p.dtype))
                 if self.masters:
                     self.masters.load(weights, list(params))
-            self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("optimizer") is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            else:  # an older checkpoint (only the newest keeps it): AdamW starts again
+                self.optimizer = torch.optim.AdamW(self.masters.master if self.masters else self.params,
+                                                   lr=self.train_cfg.lr, weight_decay=self.train_cfg.weight_decay,
+                                                   fused=self.device.type == "cuda" or None)
+                log.warning("checkpoint of step %d has no optimizer state (only the newest checkpoint keeps it): "
+                            "AdamW restarts with zero moments from its weights", int(state["step"]))
             self.step = int(state["step"])
             self.bad_steps = int(state.get("bad_steps", 0))
             rng = state.get("rng") or {}

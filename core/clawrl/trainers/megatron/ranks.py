@@ -474,6 +474,15 @@ class MegatronRanks:
         if missing or unexpected:
             raise ValueError(f"checkpoint shard does not fit rank {dist.get_rank()}: missing {missing[:3]}, "
                              f"unexpected {list(unexpected)[:3]}")
+        if state.get("optimizer") is None:  # an older checkpoint (only the newest keeps it)
+            reload = getattr(self.optimizer, "reload_model_params", None)
+            if reload is not None:  # float32 main parameters from the loaded weights, not the initial ones
+                reload()
+            if dist.get_rank() == 0:
+                log.warning("checkpoint of step %d has no optimizer state (only the newest checkpoint keeps "
+                            "it): the optimizer restarts with zero moments from its weights", int(state["step"]))
+            self.step, self.bad_steps = int(state["step"]), int(state.get("bad_steps", 0))
+            return
         with torch.no_grad():
             for part, entry in zip(self._optimizers(), state["optimizer"][dist.get_rank()]):
                 part.optimizer.load_state_dict(entry["inner"])
