@@ -20,7 +20,7 @@ from clawrl.config import SandboxConfig
 from clawrl.envs.base import EnvError, Task
 from clawrl.envs.scripted import NOP, ORACLE, play
 from clawrl.envs.swe import mutations
-from clawrl.envs.swe.build import PackagePlan, build, read_plans
+from clawrl.envs.swe.build import build, read_plans
 from clawrl.envs.swe.env import SweEnv, reward_of
 from clawrl.envs.swe.evaluate import Verdict, evaluate
 from clawrl.envs.swe.instances import instance_of, refusal
@@ -200,3 +200,19 @@ def test_env_build_usage_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "--force rebuilds it" in capsys.readouterr().err
     assert main(["env", "build", "swe-rl", "--out", str(tmp_path / "new"), "--packages", "nope"]) == 1
     assert "has no package nope" in capsys.readouterr().err
+
+
+def test_a_package_list_without_pins_or_with_a_bad_plan_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "packages.toml"
+    bad.write_text('[[package]]\nname = "inflection"\nversion = "0.5.1"\nsha256 = "abc"\nsource = ["x.py"]\n'
+                   'tests = ["t.py"]\n')
+    with pytest.raises(EnvError, match="needs a 64-hex sha256"):
+        read_plans(bad)
+    good = PACKAGES.read_text()
+    bad.write_text(good.replace('split = "test"', 'split = "dev"'))
+    with pytest.raises(EnvError, match="needs split train\\|test"):
+        read_plans(bad)
+    plans = read_plans(PACKAGES)
+    assert {p.split for p in plans} == {"train", "test"}
+    train = {p.package.name for p in plans if p.split == "train"}
+    assert len(train) >= 3 and not train & {p.package.name for p in plans if p.split == "test"}
