@@ -216,3 +216,30 @@ def test_a_package_list_without_pins_or_with_a_bad_plan_is_refused_in_one_line(t
     assert {p.split for p in plans} == {"train", "test"}
     train = {p.package.name for p in plans if p.split == "train"}
     assert len(train) >= 3 and not train & {p.package.name for p in plans if p.split == "test"}
+
+
+def test_env_check_reads_an_official_instance_file_and_fails_its_instances_with_the_reason(tmp_path, capsys):
+    row = {"instance_id": "sympy__sympy-20590", "repo": "sympy/sympy", "base_commit": "cffd4e0f",
+           "patch": "", "test_patch": "", "problem_statement": "Symbol instances have __dict__",
+           "FAIL_TO_PASS": '["test_immutable"]', "PASS_TO_PASS": "[]", "image_name": "swebench/sweb.eval.x86_64.sympy"}
+    file = tmp_path / "swe-bench-lite.jsonl"
+    file.write_text(json.dumps(row) + "\n")
+    assert main(["env", "list", str(file)]) == 0
+    assert capsys.readouterr().out == "sympy__sympy-20590\tswe-bench-lite\trows\n"
+    assert main(["env", "check", str(file), "env.name=swe"]) == 1
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert line["status"] == "fail" and "needs its Docker image (swebench/sweb.eval.x86_64.sympy)" in line["reason"]
+
+
+def test_an_instance_whose_source_no_longer_rebuilds_its_base_commit_is_refused(built):
+    row = dict(_rows(built[0])[0], base_commit="0" * 40)
+    env = SweEnv(SandboxConfig(), 30.0)
+
+    async def episode():
+        try:
+            await env.reset(Task(row["instance_id"], row))
+        finally:
+            await env.close()
+
+    with pytest.raises(EnvError, match="the instance says 000000000000"):
+        asyncio.run(episode())
