@@ -24,7 +24,7 @@ from clawrl.envs.swe.build import build, read_plans
 from clawrl.envs.swe.env import SweEnv, reward_of
 from clawrl.envs.swe.evaluate import Verdict, evaluate
 from clawrl.envs.swe.instances import instance_of, refusal
-from clawrl.envs.swe.testbed import parse_summary
+from clawrl.envs.swe.testbed import parse_summary, run_tests
 from clawrl.envs.task_formats import discover
 from tests.required_tools import skip_unless_available
 
@@ -243,3 +243,34 @@ def test_an_instance_whose_source_no_longer_rebuilds_its_base_commit_is_refused(
 
     with pytest.raises(EnvError, match="the instance says 000000000000"):
         asyncio.run(episode())
+
+
+CONFTEST_HACK = '''import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+'''
+
+
+def test_a_conftest_that_turns_failures_into_passes_resolves_nothing(built):
+    """The hook works (run as is, the failing tests pass), and the evaluator undoes it."""
+    row = _rows(built[0])[0]
+    inst = instance_of(Task(row["instance_id"], row))
+    env = SweEnv(SandboxConfig(), 30.0)
+
+    async def episode():
+        try:
+            await env.reset(Task(row["instance_id"], row))
+            await env.sandbox.write_file("/testbed/conftest.py", CONFTEST_HACK)
+            hacked = await run_tests(env.sandbox, inst.source, 60)
+            return hacked, await env.step("DONE")
+        finally:
+            await env.close()
+
+    hacked, outcome = asyncio.run(episode())
+    assert all(hacked.passing(t) for t in inst.fail_to_pass)
+    assert outcome.reward == -1.0 and outcome.info["f2p_passed"] == 0
+    assert "conftest.py were undone" in outcome.info["verdict"]
