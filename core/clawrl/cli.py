@@ -93,11 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("overrides", nargs="*", help="key=value overrides: model.path, cluster.tp, cluster.pp, "
                                                  "cluster.procs_per_node (ranks; the rest is data parallel)")
 
-    ev = sub.add_parser("env", help="list, check, run and evaluate an environment's tasks (terminal-rl, "
-                                    "toolcall-rl, task directories)",
+    ev = sub.add_parser("env", help="list, check, run, evaluate and build an environment's tasks (terminal-rl, "
+                                    "toolcall-rl, swe-rl, task directories)",
                         description="NAME|PATH: a method directory (terminal-rl, ...) here or in the repo, or a "
                                     "task set: a task directory (Harbor or Terminal-Bench 1.0), a directory of "
-                                    "them, a dataset.toml directory or a .jsonl file.")
+                                    "them, a dataset.toml directory or a .jsonl file (SWE-bench instance files "
+                                    "too).")
     esub = ev.add_subparsers(dest="env_cmd", required=True)
     el = esub.add_parser("list", help="one line per task: ID<TAB>SPLIT<TAB>FORMAT")
     ec = esub.add_parser("check", help="play the oracle and a no-op on every task; a JSON line each; exit 0 when "
