@@ -34,7 +34,10 @@ seconds on a CPU, so the script cannot rot.
 Train (``gpu_train.py``): clawrl's torch trainer against the probe's plain HF training loop on
 the same weights and 8 x 2048 tokens a step, with MFU against the matmul ceiling measured in the run.
 
-    python benchmarks/gpu_suite.py --part decode|prefill|serving|train|all [--shape qwen3-1.7b|qwen3-0.6b|tiny]
+Sync (``gpu_sync.py``): the weights streamed from another process on the same GPU, through CUDA IPC
+and through gloo, against a raw device-to-device copy.
+
+    python benchmarks/gpu_suite.py --part decode|prefill|serving|train|sync|all [--shape qwen3-1.7b|qwen3-0.6b|tiny]
 """
 from __future__ import annotations
 
@@ -514,6 +517,11 @@ def table(results: dict) -> str:
             lines.append(f"| cold prefill while {p['decoding_streams']} streams decode (chunked), ms "
                          f"| {p['cold_beside_decoding_ms']:.0f} | {p['hf_ms']:.0f} "
                          f"| {p['cold_beside_decoding_ms'] / p['hf_ms']:.2f} |")
+    sync = results.get("sync")
+    if sync:
+        lines += ["", f"| weight sync across processes, {sync['bytes'] / 2**30:.2f} GiB | ms |", "|---|---:|",
+                  f"| raw device copy in one process (floor) | {sync['raw_copy_ms']:.1f} |"]
+        lines += [f"| {b} | {sync[b]['ms']:.0f} |" for b in ("ipc", "gloo") if b in sync]
     train = results.get("train")
     if train:
         lines += ["", "| training, {} x {} tokens a step | tok/s | MFU | / HF loop | peak GiB |".format(
@@ -539,7 +547,7 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "all"), default="all")
+    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "sync", "all"), default="all")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="model shape (default: qwen3-1.7b on a GPU, tiny on a CPU)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
@@ -570,8 +578,12 @@ def main(argv=None) -> int:
             if isinstance(d, dict):
                 d.update(stamp, shape=shape)
         results["train"] = train
-        if args.part == "train":
-            return write_results(out, results, stamp, shape, t0)
+    if args.part in ("sync", "all"):
+        from gpu_sync import run_sync
+
+        results["sync"] = {**run_sync(build_model, shape, device), **stamp, "shape": shape}
+    if args.part in ("train", "sync"):
+        return write_results(out, results, stamp, shape, t0)
     model = build_model(shape, device)
     lm = loaded_model(model, shape)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters on "

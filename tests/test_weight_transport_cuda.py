@@ -3,7 +3,7 @@ buckets whose payload never leaves the device; the receiver's staged tensors equ
 for bit, push after push (a new group each time), and a bad handle fails in one line."""
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,14 +12,16 @@ import torch
 from clawrl.weight_transport import WeightSyncError, _open_ipc
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-SYNC = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_sync.py"
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 def load_sync():
-    spec = importlib.util.spec_from_file_location("gpu_sync", SYNC)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """benchmarks/gpu_sync.py as an importable module: its sender runs in a spawned process."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    import gpu_sync
+
+    return gpu_sync
 
 
 def test_ipc_sync_stages_exactly_what_the_other_process_sent():

@@ -108,7 +108,8 @@ class BroadcastWeightSync(WeightTransport):
 
     Hosts the weight-sync store on ``host:port`` (port 0: a free one) at construction, so a port in
     use fails at start. The group is gloo when the engine runs on CPU, NCCL on its GPU when it runs
-    on CUDA. ``close()`` releases the store and the group.
+    on CUDA; ``backend="ipc"`` when the sender shares the engine's GPU (gloo messages, the payload
+    through CUDA IPC, ``clawrl.weight_transport``). ``close()`` releases the store and the group.
     """
 
     def __init__(self, engine: Engine, cluster: ClusterConfig, host: str = "127.0.0.1", port: int = 0,
@@ -120,9 +121,11 @@ class BroadcastWeightSync(WeightTransport):
         self.served = ServedWeights.of_model_dir(info.path)
         device = torch.device(info.device)
         # NCCL cannot join two processes on one GPU: a caller whose sender shares the engine's GPU
-        # passes backend="gloo" (staged through host memory).
+        # passes backend="ipc" (or "gloo": staged through host memory).
         self._backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        self._device = device if self._backend == "nccl" else torch.device("cpu")
+        if self._backend == "ipc" and device.type != "cuda":
+            raise WeightSyncError(f"the ipc weight-sync backend needs the engine on a CUDA device, not {device}")
+        self._device = device if self._backend in ("nccl", "ipc") else torch.device("cpu")
         self._timeout_s = float(cluster.timeout_s)
         self._bucket_bytes = int(cluster.bucket_mb) * MB
         if self._timeout_s <= 0 or self._bucket_bytes <= 0:

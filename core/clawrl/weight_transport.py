@@ -35,6 +35,14 @@ bucket by bucket into the live model would serve a mix of two versions whenever 
 halfway; the price of atomicity is memory: the receiving process holds one staged copy of the
 model, in the sent dtype, until the swap.
 
+CUDA IPC (``backend="ipc"``): sender and engine share one GPU, where NCCL cannot put two ranks
+(and gloo would carry every byte through host memory twice). The group is gloo and carries only the
+messages; a bucket's payload stays on the GPU: the sender's header names its bucket's CUDA IPC
+handle (the storage's ``cudaIpcMemHandle``, event and reference-counter handles, as torch shares
+CUDA tensors between processes; base64 in the JSON), the receiver opens it and copies the bytes into
+its own staging buffer, device to device, and a barrier tells the sender that it may refill the
+bucket. A bucket is one big buffer (``cluster.bucket_mb``), so a handle is opened once per bucket.
+
 Failure. Every blocking call (store connection, group formation, each broadcast) has
 ``timeout_s``. A sender that dies mid-stream closes its sockets and the receiver fails at once; one
 that stalls fails at the timeout; a mismatch fails at its header. Each raises a one-line
@@ -55,6 +63,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from clawrl.cluster import groups
 
 MB = 1 << 20  # cluster.bucket_mb counts MiB
+BACKENDS = ("gloo", "nccl", "ipc")
 SENDER_RANK = 0
 _ALIGN = 16  # each tensor starts at a multiple of this in its bucket, so any dtype views its bytes in place
 
@@ -77,13 +86,13 @@ class SyncEndpoint:
     port: int
     generation: int  # the group's store prefix; a new one after every failure
     world_size: int  # the sender (rank 0) plus the receiving engine processes
-    backend: str  # gloo (CPU tensors) | nccl (CUDA tensors)
+    backend: str  # gloo (CPU tensors) | nccl (CUDA tensors) | ipc (one GPU: gloo messages, CUDA IPC payloads)
     timeout_s: float  # every connection and collective
     bucket_bytes: int  # largest bucket; a single larger tensor goes alone
 
     def __post_init__(self):
-        if self.backend not in ("gloo", "nccl"):
-            raise WeightSyncError(f"weight-sync backend '{self.backend}' is not gloo or nccl")
+        if self.backend not in BACKENDS:
+            raise WeightSyncError(f"weight-sync backend '{self.backend}' is not one of {', '.join(BACKENDS)}")
         if self.world_size < 2:
             raise WeightSyncError(f"a weight-sync group needs a sender and a receiver, not world size "
                                   f"{self.world_size}")
@@ -117,8 +126,8 @@ def join_group(endpoint: SyncEndpoint, rank: int, store: dist.Store | None = Non
     try:
         if store is None:
             store = groups.join_store(endpoint.host, endpoint.port, endpoint.timeout_s)
-        return groups.standalone_group(store, endpoint.prefix, rank, endpoint.world_size, endpoint.backend,
-                                       endpoint.timeout_s)
+        return groups.standalone_group(store, endpoint.prefix, rank, endpoint.world_size,
+                                       "gloo" if endpoint.backend == "ipc" else endpoint.backend, endpoint.timeout_s)
     except Exception as e:
         raise WeightSyncError(f"could not join the {endpoint.describe()} as rank {rank} within "
                               f"{endpoint.timeout_s:g} s: {one_line(e)}") from e
@@ -143,19 +152,61 @@ class _Channel:
             raise WeightSyncError(f"broadcast of {what} over the {self.endpoint.describe()} failed (timeout "
                                   f"{self.endpoint.timeout_s:g} s): {one_line(e)}") from e
 
+    @property
+    def message_device(self) -> torch.device:
+        """Where headers travel: the payload's device, except over IPC (gloo messages)."""
+        return torch.device("cpu") if self.endpoint.backend == "ipc" else self.device
+
+    def barrier(self, what: str) -> None:
+        """Every rank got here (over IPC: the receiver has copied the bucket out of the sender's)."""
+        if self.group is None:
+            raise WeightSyncError(f"the {self.endpoint.describe()} was closed after an earlier failure")
+        try:
+            self.group.barrier(dist.BarrierOptions()).wait(self.endpoint.timeout)
+        except Exception as e:
+            self.close()
+            raise WeightSyncError(f"{what} over the {self.endpoint.describe()} failed (timeout "
+                                  f"{self.endpoint.timeout_s:g} s): {one_line(e)}") from e
+
     def send_message(self, header: dict, payload: torch.Tensor | None = None) -> None:
-        data = json.dumps(header).encode()
         nbytes = 0 if payload is None else payload.numel()
-        self.broadcast(torch.tensor([len(data), nbytes], dtype=torch.int64, device=self.device), "message sizes")
-        self.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), "a header")
-        if payload is not None:
+        if payload is not None and self.endpoint.backend == "ipc":
+            header = {**header, "ipc": _ipc_handle(payload)}
+        data = json.dumps(header).encode()
+        where = self.message_device
+        self.broadcast(torch.tensor([len(data), nbytes], dtype=torch.int64, device=where), "message sizes")
+        self.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(where), "a header")
+        if payload is not None and self.endpoint.backend == "ipc":
+            self.barrier(f"the receiver's copy of a {header['kind']} ({nbytes} bytes)")
+        elif payload is not None:
             self.broadcast(payload, f"{header['kind']} payload ({nbytes} bytes)")
 
+    def receive_payload(self, header: dict, payload_len: int, what: str) -> torch.Tensor:
+        """The payload that follows ``header``, in a buffer of this rank's own."""
+        data = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
+        if self.endpoint.backend != "ipc":
+            self.broadcast(data, what)
+            return data
+        try:
+            shared = _open_ipc(header.get("ipc"), payload_len)
+            data.copy_(shared)
+            torch.cuda.current_stream(data.device).synchronize()  # copied before the sender may refill it
+            del shared
+        except WeightSyncError:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            raise WeightSyncError(f"could not open the sender's CUDA IPC handle for {what}: {one_line(e)}") from e
+        self.barrier(f"the copy of {what}")
+        return data
+
     def receive_header(self) -> tuple[dict, int]:
-        sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+        where = self.message_device
+        sizes = torch.empty(2, dtype=torch.int64, device=where)
         self.broadcast(sizes, "message sizes")
         header_len, payload_len = (int(x) for x in sizes.cpu())
-        data = torch.empty(header_len, dtype=torch.uint8, device=self.device)
+        data = torch.empty(header_len, dtype=torch.uint8, device=where)
         self.broadcast(data, "a header")
         try:
             header = json.loads(bytes(data.cpu().numpy()))
@@ -172,7 +223,43 @@ class _Channel:
 
 
 def _default_device(backend: str) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if backend in ("nccl", "ipc") else torch.device("cpu")
+
+
+def _ipc_handle(payload: torch.Tensor) -> dict:
+    """What another process needs to open ``payload``'s CUDA storage (``torch.multiprocessing``'s
+    own sharing of CUDA tensors), JSON-safe; the payload is synchronized first."""
+    import base64
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if payload.device.type != "cuda":
+        raise WeightSyncError("the ipc weight-sync backend needs the payload on a CUDA device")
+    torch.cuda.current_stream(payload.device).synchronize()
+    _, args = reduce_tensor(payload)
+    (_, size, _, offset, _, _, device, handle, storage_bytes, storage_offset, _, counter, counter_offset,
+     event, event_sync) = args
+    b64 = lambda b: base64.b64encode(b).decode() if b is not None else None  # noqa: E731
+    return {"device": int(device), "handle": b64(handle), "storage_bytes": int(storage_bytes),
+            "storage_offset": int(storage_offset), "counter": b64(counter), "counter_offset": int(counter_offset),
+            "event": b64(event), "event_sync": bool(event_sync), "offset": int(offset), "numel": int(size[0])}
+
+
+def _open_ipc(ipc: dict | None, payload_len: int) -> torch.Tensor:
+    """The sender's bucket as a uint8 tensor of this process (``_ipc_handle``'s inverse)."""
+    import base64
+
+    try:
+        raw = lambda k: base64.b64decode(ipc[k]) if ipc[k] is not None else None  # noqa: E731
+        storage = torch.UntypedStorage._new_shared_cuda(
+            int(ipc["device"]), raw("handle"), int(ipc["storage_bytes"]), int(ipc["storage_offset"]),
+            raw("counter"), int(ipc["counter_offset"]), raw("event"), bool(ipc["event_sync"]))
+        offset, numel = int(ipc["offset"]), int(ipc["numel"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise WeightSyncError(f"malformed CUDA IPC handle in a bucket header: {one_line(e)}") from None
+    if numel != payload_len:
+        raise WeightSyncError(f"the CUDA IPC bucket holds {numel} bytes, the header announced {payload_len}")
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{int(ipc['device'])}").set_(storage, offset, (numel,), (1,))
 
 
 def _aligned(n: int) -> int:
@@ -315,8 +402,7 @@ class BucketReceiver:
                 if header["kind"] != "bucket":
                     raise WeightSyncError(f"unknown message kind '{header['kind']}'")
                 views = self._plan(header, payload_len, served, staged)
-                data = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
-                self._channel.broadcast(data, f"bucket {buckets + 1} ({payload_len} bytes)")
+                data = self._channel.receive_payload(header, payload_len, f"bucket {buckets + 1} ({payload_len} bytes)")
                 for name, (dtype, shape, start, stop) in views.items():
                     staged[name] = data[start:stop].view(dtype).view(shape)
                 buckets += 1

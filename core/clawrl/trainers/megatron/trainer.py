@@ -83,11 +83,13 @@ class MegatronTrainer(Trainer):
 
     def weight_sync(self, engine: Engine) -> BroadcastWeightSync:
         """Weights cross processes: a ``BroadcastWeightSync`` hosted on this node. NCCL when the
-        engine's GPU is not one the trainer ranks use; gloo through host memory otherwise."""
+        engine's GPU is not one the trainer ranks use; CUDA IPC when it shares rank 0's GPU (NCCL
+        cannot put two ranks on one device); gloo through host memory on CPU."""
         device = torch.device(engine.model_info().device)
         separate_gpu = device.type == "cuda" and (device.index or 0) >= self.node.procs
+        backend = "nccl" if separate_gpu else "ipc" if device.type == "cuda" else "gloo"
         return BroadcastWeightSync(engine, self.cfg.cluster, host=self.node.master_addr, port=self.node.sync_port,
-                                   backend="nccl" if separate_gpu else "gloo")
+                                   backend=backend)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The whole HF state in this process (a full copy: for tests and small models; serving
