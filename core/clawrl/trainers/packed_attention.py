@@ -48,12 +48,34 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     if segments is None or len(segments) == 1:  # one sequence: the model's causal attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    # split, not slice: split's backward is one concatenation, a slice's a zero-filled full copy each
     lengths = [b - a for a, b in segments]
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout and _varlen_ok[0]:
+        try:
+            return _flash_varlen(query, key, value, lengths, scaling), None
+        except (RuntimeError, AttributeError) as e:  # no such kernel in this build, or it refused the shapes
+            _varlen_ok[0] = False
+            log.info("varlen flash attention unavailable (%s): one SDPA call per sequence",
+                     str(e).splitlines()[0] if str(e) else type(e).__name__)
+    # split, not slice: split's backward is one concatenation, a slice's a zero-filled full copy each
     outs = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
                                    **kwargs)[0]
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))]
     return torch.cat(outs, dim=1), None
+
+
+_varlen_ok = [True]  # until the kernel is found missing in this process
+
+
+def _flash_varlen(query, key, value, lengths: list[int], scaling: float | None) -> torch.Tensor:
+    """All sequences in one call of torch's own variable-length flash attention (FlashAttention-2,
+    GQA native; its backward is registered with autograd), so a micro-batch of many sequences costs
+    one kernel per layer, not one (and its host overhead) per sequence. ``[1, L, H, D]`` out."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [L, heads, D]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    longest = max(lengths)
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, True, False,
+                                                  scale=scaling)[0]
+    return out.unsqueeze(0)
 
 
 def enable(model) -> bool:
