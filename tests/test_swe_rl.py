@@ -20,7 +20,7 @@ from clawrl.config import SandboxConfig
 from clawrl.envs.base import EnvError, Task
 from clawrl.envs.scripted import NOP, ORACLE, play
 from clawrl.envs.swe import mutations
-from clawrl.envs.swe.build import build, read_plans
+from clawrl.envs.swe.build import build, problem_statement, read_plans
 from clawrl.envs.swe.env import SweEnv, reward_of
 from clawrl.envs.swe.evaluate import Verdict, evaluate
 from clawrl.envs.swe.instances import instance_of, refusal
@@ -274,3 +274,14 @@ def test_a_conftest_that_turns_failures_into_passes_resolves_nothing(built):
     assert all(hacked.passing(t) for t in inst.fail_to_pass)
     assert outcome.reward == -1.0 and outcome.info["f2p_passed"] == 0
     assert "conftest.py were undone" in outcome.info["verdict"]
+
+
+def test_a_statement_quotes_messages_without_the_memory_addresses_that_change_every_run():
+    import random
+
+    pkg = read_plans(PACKAGES, ["toolz"])[0].package
+    messages = {"t.py::test_a": "assert [(<toolz.test...fa482caee10>)] == [(<toolz.test...fa482caee10>)]",
+                "t.py::test_b": "AssertionError: <object object at 0x7f3a9e2b1c10> != 3"}
+    text = problem_statement(pkg, sorted(messages), messages, random.Random(0))
+    assert "fa482caee10" not in text and "0x7f3a9e2b1c10" not in text
+    assert "<object object at ...> != 3" in text and "t.py::test_a" in text

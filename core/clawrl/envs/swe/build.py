@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import shlex
 import time
 import tomllib
@@ -190,13 +191,23 @@ _OPENINGS = ("Since the latest change, {name} {version} misbehaves: {n} of its o
              "Something is broken in {name} {version}. Running its test suite, {n} tests fail.")
 
 
+# Object reprs carry memory addresses (``<Foo at 0x7f3a...>``, cut by pytest to ``...3a9e2b10>``), which
+# differ from run to run: a statement quotes them with the address left out, so the build stays
+# deterministic.
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}|(?<=\.\.\.)[0-9a-f]{6,}(?=>)")
+
+
+def _quoted(message: str) -> str:
+    return _ADDRESS.sub("...", message)[:MESSAGE_CHARS]
+
+
 def problem_statement(pkg: Package, failing: list[str], messages: dict[str, str], rng: random.Random) -> str:
     """An issue written from what fails: the failing tests and what they report, not the cause."""
     lines = [rng.choice(_OPENINGS).format(name=pkg.name, version=pkg.version, n=len(failing)), "",
              "Failing tests:"]
     for test in failing[:STATEMENT_TESTS_SHOWN]:
         message = messages.get(test, "")
-        lines.append(f"- {test}" + (f"\n    {message[:MESSAGE_CHARS]}" if message else ""))
+        lines.append(f"- {test}" + (f"\n    {_quoted(message)}" if message else ""))
     if len(failing) > STATEMENT_TESTS_SHOWN:
         lines.append(f"- ... and {len(failing) - STATEMENT_TESTS_SHOWN} more")
     lines += ["", f"The rest of the suite passes (run it with: {_display_command(pkg)}). Fix the library's "
