@@ -72,6 +72,8 @@ from clawrl.sessions import SessionLinker
 from clawrl.store import TurnStore
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(Path(__file__).parent) not in sys.path:  # gpu_train and gpu_sync beside it, also when loaded by path
+    sys.path.insert(0, str(Path(__file__).parent))
 CLIENT = Path(__file__).with_name("gpu_serving_client.py")
 FIXTURE = ROOT / "tests" / "fixtures" / "openclaw-2026.9.6" / "chat_turn1.json"
 

@@ -124,13 +124,11 @@ def clawrl_steps(model_dir: str, device: str, batch: list, steps: int, overrides
     return times, info
 
 
-# (name, overrides): the default first; the others show what each setting costs
-VARIANTS = [
-    ("default", []),
-    ("gradient_checkpointing", ["train.gradient_checkpointing=true"]),
-    ("two_micro_batches", ["train.micro_batch_tokens=8192"]),
-    ("float32_params_autocast", ["train.param_dtype=float32"]),
-]
+def variants(tokens: int) -> list[tuple[str, list[str]]]:
+    """(name, overrides): the default first; the others show what each setting costs."""
+    return [("default", []), ("gradient_checkpointing", ["train.gradient_checkpointing=true"]),
+            ("two_micro_batches", [f"train.micro_batch_tokens={tokens // 2}"]),
+            ("float32_params_autocast", ["train.param_dtype=float32"])]
 
 
 def run_train(build_model, shape: str, device: str, save_tokenizer) -> dict:
@@ -156,7 +154,7 @@ def run_train(build_model, shape: str, device: str, save_tokenizer) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
         data = samples(cfg.vocab_size, batch, seq)
-        for name, overrides in VARIANTS:
+        for name, overrides in variants(tokens):
             times, info = clawrl_steps(str(model_dir), device, data, steps, overrides)
             s = statistics.median(times)
             out["torch" if name == "default" else f"torch_{name}"] = {

@@ -46,7 +46,16 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
         assert s["prompt_tokens_mean"] > 20 and s["new_tokens"] == 8 and s["engine_generate_tok_s"] > 0
         assert all(s["per_request_alone"][k] > 0 for k in ("render_ms", "link_begin_ms", "link_record_ms"))
         assert s["commit"] and s["command"].startswith("python benchmarks/gpu_suite.py --shape tiny")
+    t = res["train"]  # the trainer against the probe's HF loop, with every variant
+    assert t["hf"]["tok_s"] > 0 and t["tokens_per_step"] == 4 * 64
+    for key in ("torch", "torch_gradient_checkpointing", "torch_two_micro_batches", "torch_float32_params_autocast"):
+        assert t[key]["tok_s"] > 0 and t[key]["ratio_to_hf"] == pytest.approx(t["hf"]["step_s"] / t[key]["step_s"])
+        assert t[key]["packed_attention"] and t[key]["commit"]
+    assert t["torch_two_micro_batches"]["micro_batches"] == 2 and t["torch"]["micro_batches"] == 1
+    s = res["sync"]  # on CPU only gloo, its staged bytes checked against the sent ones
+    assert s["gloo"]["ms"] > 0 and s["cross_process_ms"] == s["gloo"]["ms"] and "ipc" not in s
     printed = capsys.readouterr().out
+    assert "| HF loop (probe) |" in printed and "| gloo |" in printed
     assert "| decode, 1 stream(s)" in printed and "| cold prefill, OpenClaw request" in printed
     assert "| 4 | " in printed  # the serving table's row for 4 chats
 
