@@ -9,7 +9,7 @@ import pytest
 
 from method_parity import BACKENDS, FIXTURE, METHODS, model_dir, run
 
-TOL = 1e-6
+TOL = 1e-5  # the trainer now takes pi_old from the loss forward: float32 reassociation, about 3e-6 on grad_norm
 
 
 @pytest.fixture(scope="module")
