@@ -11,7 +11,7 @@ setup(
     description="Train a self-hosted LLM agent from its own live conversations.",
     package_dir={"": "core"},
     packages=find_packages("core"),
-    package_data={"clawrl": ["conf/*.yaml", "embedded/*.jsonl"]},
+    package_data={"clawrl": ["conf/*.yaml", "embedded/*.jsonl", "envs/gui/*.js"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11,<2.14",
@@ -25,6 +25,9 @@ setup(
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "httpx>=0.27",
+        "selenium>=4.5",  # gui-rl drives Chromium (clawrl.envs.gui)
+        "miniwob>=1.1,<2",  # its task pages and reward functions
+        "psutil>=5.9",
     ],
     extras_require={
         "test": ["pytest>=8", "openai>=1.40", "matplotlib>=3.8"],

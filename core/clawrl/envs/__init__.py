@@ -6,14 +6,15 @@ groups of them (``clawrl.envs.source``).
 other value names an environment class, built in or ``dir/file.py:ClassName``.
 """
 from clawrl.envs.base import Env, EnvError, Observation, StepOutcome, Task
+from clawrl.envs.gui import GuiEnv
 from clawrl.envs.swe.env import SweEnv
 from clawrl.envs.terminal import TerminalEnv
 from clawrl.envs.toolcall import ToolCallEnv
 from clawrl.plugins import plugin_class
 
 CHAT = "chat"
-# Built-in environments by name; the agentic environments (gui) join here.
-ENVS: dict[str, type[Env]] = {"terminal": TerminalEnv, "toolcall": ToolCallEnv, "swe": SweEnv}
+# Built-in environments by name.
+ENVS: dict[str, type[Env]] = {"terminal": TerminalEnv, "toolcall": ToolCallEnv, "swe": SweEnv, "gui": GuiEnv}
 
 
 def env_class(spec: str) -> type[Env]:
