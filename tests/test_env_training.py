@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from clawrl.orchestration.serve import tasks_beside_config
 from clawrl.schema import BUFFER, EPISODES, OPD, TURNS, TableSet
 from clawrl.sessions import SessionLinker
 from clawrl.store import TurnStore
+from required_tools import skip_unless_available
 
 REPO = Path(__file__).resolve().parents[1]
 GUESS = str(Path(__file__).with_name("guess_number_env.py")) + ":GuessNumber"
@@ -316,10 +318,14 @@ def test_per_turn_samples_train_through_the_learner(tiny_model_dir, tmp_path):
     ("toolcall-rl", ["env.max_turns=2", "env.max_tokens_per_turn=24"]),
     ("terminal-rl", ["env.max_turns=1", "env.max_tokens_per_turn=16", "env.episode_timeout_s=120"]),
     ("swe-rl", ["env.max_turns=1", "env.max_tokens_per_turn=16", "env.episode_timeout_s=120"]),
+    ("gui-rl", ["env.max_turns=2", "env.max_tokens_per_turn=24", "env.episode_timeout_s=120"]),
 ])
 def test_each_environment_trains_one_step_with_the_embedded_model(tiny_model_dir, tmp_path, recipe, overrides):
     """Groups of one train on their own reward (nothing to compare, nothing filtered), so the step
     comes whatever the untrained model does."""
+    if recipe == "gui-rl":
+        skip_unless_available("chromium", "chromium and chromium-driver are not installed",
+                              available=bool(shutil.which("chromium") and shutil.which("chromedriver")))
     config = REPO / recipe / "config.yaml"
     env = {k: v for k, v in _yaml(config)["env"].items() if k in ("name", "tasks")}
     learner, store = learner_run(tiny_model_dir, tmp_path / "run", f"env.name={env['name']}",

@@ -138,10 +138,11 @@ class BrowserPool:
         self.lock = threading.Lock()
         self.started = self.replaced = 0
 
-    def acquire(self) -> Browser:
-        """A live browser (an idle one that still answers, else a new one); blocks while all
-        ``size`` are in use."""
-        self.slots.acquire()
+    def acquire(self, wait: bool = True) -> Optional[Browser]:
+        """A live browser (an idle one that still answers, else a new one); while all ``size`` are
+        in use, blocks, or returns None at once when not ``wait``."""
+        if not self.slots.acquire(blocking=wait):
+            return None
         try:
             while True:
                 with self.lock:

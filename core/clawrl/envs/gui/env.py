@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 # After an action, the page's handlers run before the next screen is read.
 SETTLE_S = 0.05
+POOL_POLL_S = 0.05
 FORMAT_HINT = ('Reply with exactly one JSON action, e.g. {"action": "click", "element": ID}, '
                '{"action": "type", "text": "..."} or {"action": "done"}.')
 
@@ -92,8 +93,12 @@ class GuiEnv(Env):
     async def _open(self) -> None:
         """A browser with the task's first screen: a pooled one, or a fresh one if it fails."""
         for attempt in (1, 2):
-            if self.browser is None:
-                self.browser = await asyncio.to_thread(self.pool.acquire)
+            while self.browser is None:
+                # Waiting for a free browser must not hold a worker thread: the episodes that hold
+                # the browsers need those threads to finish (asyncio's default pool is small).
+                self.browser = await asyncio.to_thread(self.pool.acquire, False)
+                if self.browser is None:
+                    await asyncio.sleep(POOL_POLL_S)
             try:
                 await self._call(_open_task, self.task.data, self.max_time_s)
                 return
