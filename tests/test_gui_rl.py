@@ -161,6 +161,8 @@ def test_a_browser_killed_mid_episode_is_replaced_and_the_episode_still_ends_sol
         # the run goes on: the pool hands the next episode a live browser
         env = GuiEnv(pool, 60, None)
         await env.reset(Task("click-button/1", {"miniwob": "click-button", "seed": 1}))
+        corner = await env.step('{"action": "click", "x": 559, "y": 459}')  # the screen's last pixel is on the page
+        assert not corner.done and corner.observation and corner.info["browser_restarts"] == 0
         for action in await env.oracle_actions():
             out = await env.step(action)
             if out.done:

@@ -80,6 +80,15 @@ class Browser:
             self.kill()
             raise EnvError(f"Chromium did not start: {str(e).splitlines()[0]}") from None
         self.driver.command_executor.client_config.timeout = COMMAND_TIMEOUT_S
+        # --window-size sizes the window, toolbar space included: grow it until the page itself
+        # (the viewport every click and bounding box is in) is WINDOW.
+        inner = self.driver.execute_script("return [window.innerWidth, window.innerHeight];")
+        if tuple(inner) != WINDOW:
+            self.driver.set_window_size(2 * WINDOW[0] - inner[0], 2 * WINDOW[1] - inner[1])
+            inner = self.driver.execute_script("return [window.innerWidth, window.innerHeight];")
+        if tuple(inner) != WINDOW:
+            self.kill()
+            raise EnvError(f"Chromium's page is {inner[0]} x {inner[1]} pixels, not {WINDOW[0]} x {WINDOW[1]}")
         self.driver.set_script_timeout(COMMAND_TIMEOUT_S)
         self.driver.set_page_load_timeout(COMMAND_TIMEOUT_S)
 
