@@ -225,5 +225,104 @@ def test_bad_input_is_a_one_line_error_that_leaves_nothing(model_dir, trained_ru
     assert code == 2 and "recorded before clawrl kept each train step's batch" in err and "cannot be replayed" in err
     assert len(err.splitlines()) == 1 and not out.exists()
 
-    code, err = run_cli(capsys, "--run-dir", str(trained_run), "--out", str(out), "method=opd")
-    assert code == 2 and "does not attach yet" in err and not out.exists()
+    code, err = run_cli(capsys, "--run-dir", str(trained_run), "--out", str(out), "train.lr=-1")
+    assert code == 2 and err.splitlines()[-1].startswith("clawrl: train.lr=-1") and not out.exists()
+
+
+# ---------------------------------------------------------------- the run's stored config
+
+
+def test_a_run_stores_its_config_without_secrets(model_dir, trained_run, tmp_path):
+    from clawrl.run_config import CONFIG_FILE, save_run_config
+
+    stored = (trained_run / CONFIG_FILE).read_text()
+    assert f"path: {model_dir}" in stored and "lr: 0.01" in stored and "batch_size: 2" in stored
+    secret, admin = "sk-test-0123456789abcdefghij", "admin-key-9876543210"
+    cfg = compose([f"server.api_key={secret}", f"server.admin_key={admin}", "train.lr=3e-4"])
+    path = save_run_config(cfg, tmp_path / "R")
+    text = path.read_text()
+    assert secret not in text and admin not in text and "api_key: null" in text and "admin_key: null" in text
+    # a restart with another config keeps the earlier one
+    save_run_config(compose(["train.lr=1e-3"]), tmp_path / "R")
+    assert "lr: 0.0003" in (tmp_path / "R" / "config.1.yaml").read_text()
+    assert "lr: 0.001" in path.read_text()
+    save_run_config(compose(["train.lr=1e-3"]), tmp_path / "R")  # the same again: nothing new kept
+    assert not (tmp_path / "R" / "config.2.yaml").exists()
+
+
+def test_replay_and_export_read_the_stored_config_and_the_command_line_wins(model_dir, trained_run, tmp_path,
+                                                                            capsys):
+    out = tmp_path / "D2"
+    assert main(["replay", "--run-dir", str(trained_run), "--out", str(out)]) == 0  # no override at all
+    err = capsys.readouterr().err
+    assert f"config from {trained_run / 'config.yaml'}: " in err and f"model.path={model_dir}" in err
+    assert "train.lr=0.01" in err
+    for step in (1, 2, 3):
+        assert differing(trained_run, out, step) == [], step
+
+    assert main(["replay", "--run-dir", str(trained_run), "--out", str(tmp_path / "D3"), "train.lr=1e-3"]) == 0
+    err = capsys.readouterr().err
+    assert "overridden on the command line: train.lr" in err and "train.lr=0.01" not in err
+    lrs = {json.loads(l).get("lr") for l in (tmp_path / "D3" / "metrics.jsonl").read_text().splitlines()}
+    assert lrs == {1e-3}
+
+    assert main(["export-model", "--run-dir", str(trained_run), "--out", str(tmp_path / "E")]) == 0
+    err = capsys.readouterr().err
+    assert f"model.path={model_dir}" in err
+    assert json.loads((tmp_path / "E" / "clawrl_export.json").read_text())["base_model"] == str(model_dir)
+
+
+def test_an_old_run_without_a_stored_config_replays_from_the_command_line(model_dir, trained_run, tmp_path, capsys):
+    run = tmp_path / "D"
+    shutil.copytree(trained_run, run)
+    (run / "config.yaml").unlink()
+    out = tmp_path / "D2"
+    assert main(["replay", "--run-dir", str(run), "--out", str(out), f"model.path={model_dir}", "model.name=tiny",
+                 *RUN]) == 0
+    err = capsys.readouterr().err
+    assert "no stored config.yaml (a run started before clawrl stored its config)" in err
+    assert differing(run, out, 3) == []
+
+
+# ---------------------------------------------------------------- opd and combine
+
+
+def opd_run(model_dir, run: Path, method: str) -> Path:
+    """Two train steps of ``method`` on teacher-scored corrections (and, for combine, rewards)."""
+    app, learner, store = make_app(model_dir, run, *RUN[2:], f"method={method}", "opd.topk=4")
+    pairs = [("Hi", "Too long. One line, please."), ("What is 7+5?", "Just the number, please."),
+             ("Tell me a story about a cat.", "No, that's wrong. One line, please."),
+             ("Name a colour.", "Shorter, please.")]
+    with ServerThread(app) as srv:
+        for i in range(2):
+            train_steps(srv.url, pairs[2 * i:2 * i + 2], i + 1)
+    store.close()
+    assert steps_of(run) == [1, 2]
+    return run
+
+
+@pytest.mark.parametrize("method", ["opd", "combine"])
+def test_opd_and_combine_runs_replay_bit_for_bit_and_with_overrides(model_dir, tmp_path, method, capsys):
+    run = opd_run(model_dir, tmp_path / "D", method)
+    online = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["opd_tokens"] > 0 for m in online if m["kind"] == "train_step")  # the teacher's signal trained
+    assert main(["replay", "--run-dir", str(run), "--out", str(tmp_path / "D2")]) == 0
+    assert f"method={method}" in capsys.readouterr().err
+    for step in (1, 2):
+        assert differing(run, tmp_path / "D2", step) == [], step
+    replayed = [json.loads(l) for l in (tmp_path / "D2" / "metrics.jsonl").read_text().splitlines()]
+    assert ([m["loss"] for m in replayed if m["kind"] == "train_step"]
+            == [m["loss"] for m in online if m["kind"] == "train_step"])
+
+    out = tmp_path / "lr"
+    assert main(["replay", "--run-dir", str(run), "--out", str(out), "train.lr=1e-3"]) == 0
+    assert steps_of(out) == [1, 2] and any(k.startswith("weights/") for k in differing(run, out, 2))
+    if method == "combine":  # the rewards alone, the teacher alone: each trains otherwise
+        for other in ("rl", "opd"):
+            out = tmp_path / other
+            assert main(["replay", "--run-dir", str(run), "--out", str(out), f"method={other}"]) == 0
+            assert steps_of(out) == [1, 2] and any(k.startswith("weights/") for k in differing(run, out, 2)), other
+    else:  # an opd run recorded no rewards: combine (w_opd=1) trains exactly what opd trained
+        out = tmp_path / "combine"
+        assert main(["replay", "--run-dir", str(run), "--out", str(out), "method=combine"]) == 0
+        assert differing(run, out, 2) == []

@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
                         description="Write run D's checkpoint of weight version V (default: the newest complete "
                                     "one) to DIR as a Hugging Face model directory: config, tokenizer and chat "
                                     "template, generation config, model.safetensors, over the base model the run "
-                                    "trained (model.path: give the run's model and train.lora overrides). A LoRA "
+                                    "trained (model.path and train.lora come from D's stored config.yaml; overrides win). A LoRA "
                                     "run's adapter is merged, or with --adapter saved unmerged in PEFT's format. "
                                     "Reads D beside a live server, without its lock; nothing is written there.")
     xm.add_argument("--run-dir", default=run_dir, metavar="D", help=run_dir_help)
@@ -152,14 +152,14 @@ def _parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="retrain a run's stored batches offline, in its order, into a new directory",
                         description="Retrain, from the version-0 weights, the batches run D trained, in D's order, "
                                     "batches and weight versions, into D2 (its own checkpoints and metrics.jsonl). "
-                                    "Give the run's own overrides (model.path, train.*, method); without others the "
+                                    "The config is D's stored config.yaml under the overrides given here; without any the "
                                     "replay reproduces D's weights bit for bit at every checkpoint (torch trainer, "
                                     "CPU); with others (train.lr=..., method=...) it is what online learning would "
                                     "have done with the same batches. Reads D beside a live server, without its "
                                     "lock; nothing is written there.")
     rp.add_argument("--run-dir", default=run_dir, metavar="D", help=run_dir_help)
     rp.add_argument("--out", required=True, metavar="D2", help="the directory to write (new, or empty)")
-    rp.add_argument("overrides", nargs="*", help="key=value config overrides: the run's own, then the ones to try")
+    rp.add_argument("overrides", nargs="*", help="key=value config overrides, over D's stored config: the ones to try")
 
     rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")
     rb.add_argument("--run-dir", default=run_dir, help=run_dir_help)

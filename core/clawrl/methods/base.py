@@ -65,6 +65,11 @@ class Method(abc.ABC):
         """Put this method's typed per-sample data on a batch the learner just took (synchronous; may
         read the store). Nothing by default: the buffer's reward and advantage are all RL needs."""
 
+    def use_recorded(self, store: TurnStore) -> None:
+        """Read the per-sample data ``attach`` puts on a batch from what a run recorded in ``store``,
+        without building signal workers (``clawrl replay``: no engine, no judge, no teacher runs).
+        Nothing by default: the buffer's rows hold all RL needs."""
+
     def status(self) -> dict:
         """This method's part of the training section of ``/admin/status``."""
         return {}

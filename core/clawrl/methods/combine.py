@@ -46,6 +46,10 @@ class Combine(Method):
                  self.cfg.combine.w_rl, self.cfg.combine.w_opd, self.cfg.combine.opd_wait_s)
         return workers
 
+    def use_recorded(self, store: TurnStore) -> None:
+        self.rl.use_recorded(store)
+        self.opd.use_recorded(store)
+
     def attach(self, samples: list[Sample]) -> None:
         self.opd.attach(samples)
 

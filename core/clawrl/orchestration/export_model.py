@@ -5,7 +5,9 @@ full model or only a LoRA adapter, optimizer state, no config or tokenizer. To u
 model anywhere else (``transformers``, another server, ``clawrl serve model.path=DIR`` in a new
 run) it has to become an ordinary model directory: ``config.json``, the tokenizer with its chat
 template, ``generation_config.json`` and ``model.safetensors``, from the base model the run trained
-(``model.path``, as the run was configured) with the checkpoint's weights in place.
+(``model.path``, as the run was configured: ``clawrl export-model`` composes the run's stored
+``config.yaml`` under the command line's overrides, ``clawrl.run_config``) with the checkpoint's weights
+in place.
 
 The weights are exactly those the trainer served at that version: the checkpoint is found and read
 by ``clawrl env eval``'s own code (``orchestration.evaluation.complete_checkpoint``: complete files
@@ -46,6 +48,7 @@ from clawrl.engines.loading import load_model, resolve_dtype
 from clawrl.errors import CliError
 from clawrl.orchestration.env_commands import count_arg
 from clawrl.orchestration.evaluation import RunCheckpoint, complete_checkpoint, lora_trainer, serving_weights
+from clawrl.run_config import compose_for_run
 
 COMMAND = "clawrl export-model"
 PROVENANCE = "clawrl_export.json"
@@ -184,10 +187,13 @@ def _parse_version(value: Optional[str]) -> Optional[int]:
 def export_model_cli(args) -> int:
     """``clawrl export-model --run-dir D [--version V] --out DIR [--adapter] [key=value ...]``."""
     version = _parse_version(args.version)
-    cfg = compose(args.overrides)
+    note = lambda line: print(f"clawrl: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    run = compose_for_run(args.run_dir, args.overrides) if Path(args.run_dir).expanduser().is_dir() else None
+    cfg = run.cfg if run is not None else compose(args.overrides)
     transformers_logging.disable_progress_bar()  # the console: notes, then the one line that says what was done
-    done = export_model(cfg, args.run_dir, args.out, version=version, adapter=args.adapter,
-                        note=lambda line: print(f"clawrl: {line}", file=sys.stderr, flush=True))
+    done = export_model(cfg, args.run_dir, args.out, version=version, adapter=args.adapter, note=note)
+    for line in run.notes(COMMAND) if run is not None else ():  # where the config came from (an error is one line)
+        note(line)
     what = {"full": "full weights", "merged": f"LoRA merged into {done.base}",
             "adapter": f"PEFT LoRA adapter over {done.base}"}[done.form]
     print(f"clawrl: exported {done.checkpoint} (weight version {done.weight_version}, {what}) to {done.out}",

@@ -52,6 +52,7 @@ from clawrl.methods.registry import check_method, load_method
 from clawrl.metrics import MetricsLogger
 from clawrl.orchestration.evaluation import concurrency_beside_rollouts, evaluate
 from clawrl.orchestration.rollouts import RolloutWorker
+from clawrl.run_config import save_run_config
 from clawrl.samples import Sample
 from clawrl.store import TurnStore
 from clawrl.trainers import TrainerError
@@ -428,6 +429,7 @@ def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: Turn
     stopped before it, with the admin routes for pause/resume and a training section in
     ``/admin/status``. ``train.enabled=false``: serve and record only (returns None)."""
     check_method(cfg.method)
+    save_run_config(cfg, store.run_dir)  # what clawrl replay and clawrl export-model read back
     gw = app.state.gateway
     learner = None
     if cfg.train.enabled:

@@ -28,8 +28,14 @@ How determinism is kept:
   random numbers unless something drops out (``train.lora.dropout > 0`` or a model with dropout): then
   the online run's draws depended on everything else its process sampled, and the replay says it cannot
   be exact.
-- *The config.* D's config is not stored in D: give the replay the run's own overrides (``model.path``,
-  ``train.*``, ``method``) plus the ones to try.
+- *The config.* A run stores its resolved config in its directory when it starts (``config.yaml``,
+  ``clawrl.run_config``, secrets left out); ``clawrl replay`` composes D's stored config under the command
+  line's overrides (the ones to try; they win) and says what it took from which. A run directory from
+  before that composes from the command line alone (said in one line): give the run's own overrides.
+- *A teacher's scores.* ``method=opd`` and ``combine`` train on a teacher's per-token logprobs, which D
+  recorded when its teacher scored each turn (table ``opd_hints``): the method reads them from the
+  snapshot (``Method.use_recorded``), and no hint judge or teacher runs. With another ``train.lr`` the
+  scores stay those D's teacher gave (with ``opd.teacher=policy``, the policy of D at that time).
 
 D is only read: its store is copied with SQLite's online backup from a read-only connection (a
 consistent snapshot, also beside a live server that holds D's lock and keeps writing) into
@@ -38,7 +44,7 @@ With overrides the batches stay D's: a setting that would have changed *which* s
 (``train.batch_size``, ``train.max_weight_lag``, a judge) does not change them here; a step the new
 setting makes non-finite is skipped as online (logged, no new checkpoint). Not replayed: runs recorded
 before clawrl kept ``train_batches``, runs with a ``clawrl rollback`` (their lineage is not a line),
-methods whose batches need a teacher's scores (``opd``, ``combine``), the megatron backend.
+the megatron backend.
 """
 from __future__ import annotations
 
@@ -61,6 +67,7 @@ from clawrl.embedded.build import resolve_model
 from clawrl.errors import CliError
 from clawrl.methods.registry import check_method, load_method
 from clawrl.metrics import MetricsLogger
+from clawrl.run_config import compose_for_run
 from clawrl.run_lock import RunDirError, RunDirLock
 from clawrl.schema import BUFFER
 from clawrl.store import STORE_FILENAME, StoreError, TurnStore
@@ -86,9 +93,10 @@ class Replayed:
 
 
 def replay(cfg: ClawrlConfig, run_dir: str | Path, out: str | Path, overrides: tuple[str, ...] = (),
-           note: Callable[[str], None] = lambda line: None) -> Replayed:
+           note: Callable[[str], None] = lambda line: None, preface: tuple[str, ...] = ()) -> Replayed:
     """Retrain run ``run_dir``'s recorded batches into the new directory ``out``; see the module
-    docstring. Raises CliError, with one line, on bad input (nothing is left in ``out`` then)."""
+    docstring. Raises CliError, with one line, on bad input (nothing is left in ``out`` then).
+    ``preface``: lines told to ``note`` once the input is known good (where the config came from)."""
     root = Path(run_dir).expanduser()
     if not root.is_dir():
         raise CliError(f"--run-dir {run_dir}: no such run directory")
@@ -105,9 +113,6 @@ def replay(cfg: ClawrlConfig, run_dir: str | Path, out: str | Path, overrides: t
     elif out.exists() or out.is_symlink():
         raise CliError(f"--out {out} exists and is not a directory")
     check_method(cfg.method)
-    if load_method(cfg).readiness.teacher:
-        raise CliError(f"method={cfg.method} trains on a teacher's scores, which {COMMAND} does not attach yet; "
-                       "replay with an RL method")
     if cfg.trainer.backend != "torch":
         raise CliError(f"{COMMAND} runs the torch trainer; trainer.backend={cfg.trainer.backend} is not replayed")
     if (root / "checkpoints" / ROLLBACK_FILE).is_file():
@@ -133,6 +138,8 @@ def replay(cfg: ClawrlConfig, run_dir: str | Path, out: str | Path, overrides: t
                 for child in out.iterdir():
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
             raise
+        for line in preface:
+            note(line)
         try:
             return _train(cfg, root, out, store, steps, overrides, note)
         finally:
@@ -203,6 +210,10 @@ def _train(cfg: ClawrlConfig, root: Path, out: Path, store: TurnStore, steps: in
         note(line)
 
     method = load_method(cfg)
+    method.use_recorded(store)  # a teacher's scores (opd, combine) as D recorded them; no judge or teacher runs
+    if method.readiness.teacher and not _has_teacher_scores(store):
+        tell(f"method={cfg.method}: D recorded no teacher scores (it ran without a hint judge and teacher), "
+             "so only a reward trains here; samples without one add no signal")
     if cfg.engine.threads:
         torch.set_num_threads(cfg.engine.threads)  # as the server's engine set it: same CPU reductions
     if cfg.train.lora.enabled and cfg.train.lora.dropout > 0:
@@ -246,11 +257,21 @@ def _train(cfg: ClawrlConfig, root: Path, out: Path, store: TurnStore, steps: in
     return Replayed(out, steps, updated, saved, last_loss, notes)
 
 
+def _has_teacher_scores(store: TurnStore) -> bool:
+    c = store.connection()
+    return c.execute("SELECT 1 FROM opd_hints WHERE state = 'scored' LIMIT 1").fetchone() is not None
+
+
 def replay_cli(args) -> int:
-    """``clawrl replay --run-dir D --out D2 [key=value ...]``."""
-    cfg = compose(args.overrides)
-    done = replay(cfg, args.run_dir, args.out, tuple(args.overrides),
-                  note=lambda line: print(f"clawrl: {line}", file=sys.stderr, flush=True))
+    """``clawrl replay --run-dir D --out D2 [key=value ...]``: the config is D's stored one (its
+    ``config.yaml``) under the command line's overrides."""
+    note = lambda line: print(f"clawrl: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    if Path(args.run_dir).expanduser().is_dir():
+        run = compose_for_run(args.run_dir, args.overrides)
+        cfg, preface = run.cfg, tuple(run.notes(COMMAND))
+    else:
+        cfg, preface = compose(args.overrides), ()  # replay() says the directory is missing
+    done = replay(cfg, args.run_dir, args.out, tuple(args.overrides), note=note, preface=preface)
     print(f"clawrl: replayed {done.steps} train step(s) of {args.run_dir} into {done.out} ({done.updated} updated; "
           f"checkpoints {', '.join(f'step_{s}' for s in done.checkpoints) or 'none'}; last loss "
           f"{done.last_loss if done.last_loss is not None else 'n/a'})", flush=True)

@@ -81,6 +81,10 @@ class OnPolicyDistillation(Method):
         engines = list(dict.fromkeys(e for e in (self.teacher_engine, self.judge_engine) if e is not None))
         return SignalWorkers(engines, [self.worker, gate])
 
+    def use_recorded(self, store: TurnStore) -> None:
+        """The teacher's scores as the run recorded them (table ``opd_hints``), for ``attach``."""
+        self.store, self.opd = store, OpdStore(store)
+
     def attach(self, samples: list[Sample]) -> None:
         """``Sample.teacher`` for every sample of the batch whose teacher outcome is ``scored`` (one
         resolved ``timeout`` trains RL-only, even if its teacher answered later)."""
