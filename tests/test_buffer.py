@@ -283,13 +283,14 @@ def test_samples_requeued_after_a_crash_are_not_stale_for_the_version_jump_the_c
 
 def test_a_recorded_alias_survives_a_restart_and_lag_grows_with_new_updates(tmp_path):
     store = TurnStore(tmp_path)
-    chat, buffer = Chat(store), make_buffer(store, max_weight_lag=1)
+    # max_batch_size=1: steps of one, so the second sample waits (a step would otherwise take both)
+    chat, buffer = Chat(store), make_buffer(store, max_weight_lag=1, batch_size=1, max_batch_size=1)
     turns = [chat.conversation(["thanks"], opening=f"q{i}", versions=(3, 3, 3)) for i in range(2)]
     judge_all(buffer)
     buffer.record_alias(9, source=3)
     store.close()
     store = TurnStore(tmp_path)
-    buffer = make_buffer(store, max_weight_lag=1)
+    buffer = make_buffer(store, max_weight_lag=1, batch_size=1, max_batch_size=1)
     # version 10 is one update after 9 (= 3): lag 1, within the bound
     [first] = buffer.take_batch(1, current_version=10)
     assert first.turn_id == turns[0][0] and first.extra["weight_lag"] == 1

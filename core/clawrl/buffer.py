@@ -82,6 +82,7 @@ import torch
 from clawrl.config import TrainConfig
 from clawrl.losses import GROUP_MODES, RunningBaseline, group_advantages
 from clawrl.samples import Sample
+from clawrl.step_size import step_size
 from clawrl.schema import BUFFER
 from clawrl.store import TurnStore, load_messages, load_prompt, unpack
 from clawrl.weight_lineage import lag_counter
@@ -507,13 +508,17 @@ class RolloutBuffer:
     # --- training ------------------------------------------------------------------------------
 
     def take_batch(self, n: int, current_version: int) -> list[Sample]:
-        """Atomically mark up to ``n`` ready samples consumed (oldest first) and return them.
+        """Atomically mark ready samples consumed, earliest deadline first, and return them.
 
-        Samples relabelled since they were judged are skipped (``excluded``, ``side_turn``); stale
-        ones (oldest token more than ``train.max_weight_lag`` versions behind ``current_version``)
-        are skipped as ``stale`` under ``stale_policy=drop``. Neither counts towards ``n``. An
-        environment's samples come as whole groups: the first one taken brings every ready sample of
-        its group along, even past ``n``, so a step never trains half a group's comparison.
+        A step takes at least ``n`` (``train.batch_size``) and, when a backlog would otherwise age
+        past ``train.max_weight_lag`` before its turn, as many as keep every waiting sample within
+        it, up to ``train.max_batch_size`` (``clawrl.step_size``). The deadline order is by lag,
+        the most behind first, then by sample id. Samples relabelled since they were judged are
+        skipped (``excluded``, ``side_turn``); stale ones (oldest token more than
+        ``train.max_weight_lag`` versions behind ``current_version``) are skipped as ``stale`` under
+        ``stale_policy=drop``. Neither counts towards the step. An environment's samples come as
+        whole groups: the first one taken brings every ready sample of its group along, even past
+        the step's size, so a step never trains half a group's comparison.
         """
         if n < 1:
             return []
@@ -524,36 +529,48 @@ class RolloutBuffer:
             lag_of = lag_counter(dict(c.execute("SELECT version, source FROM weight_aliases").fetchall()),
                                  current_version)
             payloads = _Payloads(c)
-            last, groups_taken = 0, set()
-            while len(out) < n:
-                rows = c.execute(f"SELECT {_TAKE_COLUMNS} FROM samples WHERE state = 'ready' AND sample_id > ? "
-                                 "ORDER BY sample_id LIMIT ?", (last, n - len(out))).fetchall()
-                if not rows:
+            queue = self._ready_by_deadline(c, payloads, lag_of)
+            limit = self.train.max_weight_lag
+            keeps_stale = self.train.stale_policy == "importance_weight"
+            size = step_size([limit - lag for _, lag in queue if keeps_stale or lag <= limit], n,
+                             self.train.max_batch_size)
+            groups: dict[str, list[tuple]] = {}
+            for row, _ in sorted(queue, key=lambda q: q[0][0]):
+                if row[1] != "turn":
+                    groups.setdefault(row[4], []).append(row)
+            groups_taken = set()
+            for row, _ in queue:
+                if len(out) >= size:
                     break
-                for row in rows:
-                    last = row[0]
-                    source, group_id = row[1], row[4]
-                    if source == "turn":
-                        batch = [row]
-                    elif group_id in groups_taken:
-                        continue
-                    else:  # the whole group, in sample order
-                        groups_taken.add(group_id)
-                        batch = c.execute(f"SELECT {_TAKE_COLUMNS} FROM samples WHERE state = 'ready' AND "
-                                          "group_id = ? ORDER BY sample_id", (group_id,)).fetchall()
-                    for sample_row in batch:
-                        sample, why = self._take_one(c, sample_row, payloads, lag_of, current_version, now)
-                        if sample is None:
-                            skipped.append((sample_row[0], f"{sample_row[1]} {sample_row[2]}", why))
-                        else:
-                            out.append(sample)
+                if row[1] == "turn":
+                    batch = [row]
+                elif row[4] in groups_taken:
+                    continue
+                else:  # the whole group, in sample order
+                    groups_taken.add(row[4])
+                    batch = groups[row[4]]
+                for sample_row in batch:
+                    sample, why = self._take_one(c, sample_row, payloads, lag_of, current_version, now)
+                    if sample is None:
+                        skipped.append((sample_row[0], f"{sample_row[1]} {sample_row[2]}", why))
+                    else:
+                        out.append(sample)
         for sid, origin, why in skipped:
             log.info("sample %d (%s) skipped at take time: %s", sid, origin, why)
         if out:
             stale = sum(s.extra["weight_lag"] > self.train.max_weight_lag for s in out)
-            log.info("took %d sample(s) for training at weight version %d%s", len(out), current_version,
+            grown = (f", more than train.batch_size={n}: {len(queue)} were ready, and taking {n} a step would "
+                     f"leave some past max_weight_lag={limit} before their turn" if size > n else "")
+            log.info("took %d sample(s) for training at weight version %d%s%s", len(out), current_version, grown,
                      f" ({stale} beyond max_weight_lag, kept for importance weighting)" if stale else "")
         return out
+
+    def _ready_by_deadline(self, c, payloads: "_Payloads", lag_of) -> list[tuple[tuple, int]]:
+        """Every ready sample as (``_TAKE_COLUMNS`` row, lag now), the most behind first, then by id."""
+        rows = c.execute(f"SELECT {_TAKE_COLUMNS} FROM samples WHERE state = 'ready' ORDER BY sample_id").fetchall()
+        queue = [(row, max(map(lag_of, set(payloads.versions(row[1], row[2]))), default=0)) for row in rows]
+        queue.sort(key=lambda q: -q[1])  # stable: ties keep sample order
+        return queue
 
     def _take_one(self, c, row: tuple, payloads: "_Payloads", lag_of, current_version: int,
                   now: float) -> tuple[Optional[Sample], str]:
@@ -771,6 +788,13 @@ class _Payloads:
             return _Payload(ep[0] + ep[1][:start], ep[1][start:end], ep[3][start:end], ep[4][start:end], ep[5],
                             extra=extra)
         raise KeyError(f"unknown sample source {source!r}")
+
+    def versions(self, source: str, source_id: int) -> list[int]:
+        """The weight versions of a sample's trained tokens only: what its lag is counted from."""
+        if source == "turn":
+            row = self.c.execute("SELECT weight_versions FROM turns WHERE turn_id = ?", (source_id,)).fetchone()
+            return unpack(row[0], "q") if row is not None and row[0] is not None else []
+        return self.of(source, source_id).versions
 
     def _turn(self, turn_id: int) -> _Payload:
         row = self.c.execute("SELECT turn_type, trainable, untrainable_reason, close_reason, prompt_ids, "

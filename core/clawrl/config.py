@@ -169,7 +169,12 @@ class LoraConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     enabled: bool = option(True, "false: serve and record only, never train.")
-    batch_size: int = option(8, "Ready samples per train step; training starts once this many are ready.", ge=1)
+    batch_size: int = option(8, "Ready samples per train step; training starts once this many are ready. A "
+                             "backlog makes steps larger, so that no waiting sample ages past max_weight_lag "
+                             "(clawrl.step_size).", ge=1)
+    max_batch_size: Optional[int] = option(None, "Most samples in one train step when a backlog makes steps grow; "
+                                           "what does not fit may then be dropped as stale. null: no bound "
+                                           "(micro_batch_tokens bounds memory, not the step's time).", ge=1)
     lr: float = option(1e-5, "Learning rate (AdamW).", gt=0)
     weight_decay: float = option(0.0, "AdamW weight decay.", ge=0)
     grad_clip: float = option(1.0, "Gradient-norm clip; 0 disables.", ge=0)
@@ -535,6 +540,10 @@ def _cross_problems(cfg: ClawrlConfig) -> list[tuple[str, str]]:
     if cfg.method == "combine" and cfg.combine.w_rl == 0 and cfg.combine.w_opd == 0:
         out.append(("combine.w_rl", f"combine.w_rl={_num(cfg.combine.w_rl)} and combine.w_opd="
                     f"{_num(cfg.combine.w_opd)}: method=combine needs at least one weight > 0 (nothing would train)"))
+    t = cfg.train
+    if t.max_batch_size is not None and t.max_batch_size < t.batch_size:
+        out.append(("train.max_batch_size", f"train.max_batch_size={t.max_batch_size} and train.batch_size="
+                    f"{t.batch_size}: a step takes at least batch_size, so the bound must be at least that"))
     return out
 
 
