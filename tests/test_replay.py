@@ -6,6 +6,7 @@ one-line error that leaves nothing behind."""
 from __future__ import annotations
 
 import json
+from array import array
 import shutil
 import sqlite3
 from pathlib import Path
@@ -242,6 +243,9 @@ def test_a_run_stores_its_config_without_secrets(model_dir, trained_run, tmp_pat
     path = save_run_config(cfg, tmp_path / "R")
     text = path.read_text()
     assert secret not in text and admin not in text and "api_key: null" in text and "admin_key: null" in text
+    hf = "hf_" + "A1b2C3d4" * 5  # a token pasted into another value is masked too
+    text = save_run_config(compose([f"opd.teacher=/models/{hf}/m"]), tmp_path / "S").read_text()
+    assert hf not in text and "[REDACTED:hf_token]" in text
     # a restart with another config keeps the earlier one
     save_run_config(compose(["train.lr=1e-3"]), tmp_path / "R")
     assert "lr: 0.0003" in (tmp_path / "R" / "config.1.yaml").read_text()
@@ -326,3 +330,78 @@ def test_opd_and_combine_runs_replay_bit_for_bit_and_with_overrides(model_dir, t
         out = tmp_path / "combine"
         assert main(["replay", "--run-dir", str(run), "--out", str(out), "method=combine"]) == 0
         assert differing(run, out, 2) == []
+
+
+# ---------------------------------------------------------------- held-out curves side by side
+
+
+def side_turns(db: Path) -> list[tuple]:
+    """Every held-out reply a run's gateway served: (weight versions, question, reply), sorted."""
+    c = sqlite3.connect(db)
+    try:
+        rows = c.execute("SELECT weight_versions, messages, response_text FROM turns WHERE turn_type = 'side'")
+        return sorted((max(array("q", v)), m, r) for v, m, r in rows)
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def demo_run(model_dir, tmp_path_factory):
+    """A short clawrl demo: held-out measurements at train steps 0, 2 and 4."""
+    run = tmp_path_factory.mktemp("replay-demo") / "D"
+    assert main(["demo", "method=rl", f"model.path={model_dir}", "model.name=tiny", f"run_dir={run}",
+                 "demo.interactions=8", "demo.eval_every=4", "demo.eval_prompts=6", "train.batch_size=2",
+                 "train.lr=1e-2", "engine.threads=1", "logging.level=WARNING"]) == 0
+    points = json.loads((run / "demo" / "results.json").read_text())["points"]
+    assert [p["train_step"] for p in points] == [0, 2, 4]
+    return run
+
+
+def test_held_out_replay_measures_as_the_demo_did_and_draws_both_curves(demo_run, tmp_path, capsys):
+    out = tmp_path / "same"
+    assert main(["replay", "--run-dir", str(demo_run), "--out", str(out), "--held-out"]) == 0
+    assert "held out at recorded step 4: preference_rate" in capsys.readouterr().err
+    data = json.loads((out / "heldout.json").read_text())
+    assert data["kind"] == "demo" and [p["train_step"] for p in data["replay"]] == [0, 2, 4]
+    assert data["replay"] == [{k: p[k] for k in ("train_step", "preference_rate", "correct")}
+                              for p in data["original"]]
+    # the same questions, seeds and weights: every held-out reply is the one the demo got, at each version
+    assert side_turns(out / "heldout" / "clawrl.sqlite") == side_turns(demo_run / "clawrl.sqlite")
+    assert (out / "heldout.png").read_bytes().startswith(b"\x89PNG")
+
+    out = tmp_path / "lr"
+    assert main(["replay", "--run-dir", str(demo_run), "--out", str(out), "--held-out", "train.lr=1e-1"]) == 0
+    data = json.loads((out / "heldout.json").read_text())
+    assert data["overrides"] == ["train.lr=1e-1"] and data["original_values"] == {"train.lr": 0.01}
+    assert [p["train_step"] for p in data["replay"]] == [0, 2, 4]
+    replayed, online = side_turns(out / "heldout" / "clawrl.sqlite"), side_turns(demo_run / "clawrl.sqlite")
+    first = [t for t in online if t[0] == 0]
+    assert len(first) == 6 and [t for t in replayed if t[0] == 0] == first  # step 0: the base weights, both
+    assert replayed != online  # after: other weights, other replies
+
+
+def test_held_out_needs_a_held_out_curve(trained_run, tmp_path, capsys):
+    code, err = run_cli(capsys, "--run-dir", str(trained_run), "--out", str(tmp_path / "D2"), "--held-out")
+    assert code == 2 and "has no held-out curve to compare with" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "D2").exists()
+
+
+def test_held_out_replay_of_an_environment_run_evaluates_as_its_learner_did(tiny_model_dir, tmp_path, capsys):
+    from test_env_training import GUESS, learner_run
+
+    run = tmp_path / "D"
+    learner, store = learner_run(tiny_model_dir, run, f"env.name={GUESS}", "env.group_size=2", "train.batch_size=2",
+                                 "env.max_turns=2", "env.max_tokens_per_turn=6", "env.eval_every=1",
+                                 "env.eval_split=test", "env.max_train_steps=2", "train.lr=1e-2")
+    store.close()
+    evals = {m["step"]: m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if "eval/success_rate" in m}
+    assert sorted(evals) == [0, 1, 2]
+    assert main(["replay", "--run-dir", str(run), "--out", str(tmp_path / "D2"), "--held-out"]) == 0
+    data = json.loads((tmp_path / "D2" / "heldout.json").read_text())
+    assert data["kind"] == "env" and data["metric"] == "success_rate"
+    assert data["replay"] == [{"train_step": s, "success_rate": m["eval/success_rate"],
+                               "mean_reward": m["eval/mean_reward"]} for s, m in sorted(evals.items())]
+    assert main(["replay", "--run-dir", str(run), "--out", str(tmp_path / "D3"), "--held-out", "train.lr=1e-4"]) == 0
+    data = json.loads((tmp_path / "D3" / "heldout.json").read_text())
+    assert [p["train_step"] for p in data["replay"]] == [0, 1, 2] and data["original_values"] == {"train.lr": 0.01}

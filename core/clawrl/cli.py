@@ -159,6 +159,10 @@ def _parser() -> argparse.ArgumentParser:
                                     "lock; nothing is written there.")
     rp.add_argument("--run-dir", default=run_dir, metavar="D", help=run_dir_help)
     rp.add_argument("--out", required=True, metavar="D2", help="the directory to write (new, or empty)")
+    rp.add_argument("--held-out", action="store_true",
+                    help="evaluate the replay's weights at the steps where D measured its held-out curve, as D "
+                         "measured it (a clawrl demo's preference rate; an environment run's eval/success_rate), "
+                         "and write D2/heldout.json and D2/heldout.png: D's curve and the replay's side by side")
     rp.add_argument("overrides", nargs="*", help="key=value config overrides, over D's stored config: the ones to try")
 
     rb = sub.add_parser("rollback", help="resume an earlier weight version at the next start")

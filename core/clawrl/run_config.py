@@ -5,7 +5,9 @@ commands that later read the run (``clawrl replay``, ``clawrl export-model``) ne
 and asking the user to repeat them invites a mismatch. So when a run starts (``attach_learning``, for
 ``clawrl serve``, a recipe, ``clawrl demo``) the composed config is written into the run directory, every
 key with its resolved value, secrets left out: every key whose name ends in ``key``, ``secret``,
-``password`` or ``token`` (``server.api_key``, ``server.admin_key``) is written as null, never its value.
+``password`` or ``token`` (``server.api_key``, ``server.admin_key``) is written as null, never its value,
+and a credential inside any other string value (``clawrl.redact``: ``sk-...``, ``hf_...``, a bearer token)
+is masked.
 
 A restart with the same config leaves the file alone; a restart with another one keeps the earlier file
 as ``config.1.yaml`` (``.2``, ...) and writes the new one, so ``config.yaml`` is always what the run
@@ -30,6 +32,8 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from clawrl.config import ClawrlConfig, ConfigError, all_keys, compose
+from clawrl.errors import CliError
+from clawrl.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,10 @@ def _redacted(node: Any, prefix: str = "") -> Any:
     if isinstance(node, dict):
         return {k: (None if not isinstance(v, dict) and is_secret(f"{prefix}{k}") else _redacted(v, f"{prefix}{k}."))
                 for k, v in node.items()}
+    if isinstance(node, str):  # a credential pasted into another value (a URL, a path) is masked too
+        return redact_text(node)[0]
+    if isinstance(node, (list, tuple)):
+        return [_redacted(v, prefix) for v in node]
     return node
 
 
@@ -71,21 +79,28 @@ def save_run_config(cfg: ClawrlConfig, run_dir: str | Path) -> Path:
     """Write ``cfg`` into ``run_dir/config.yaml`` (atomically); an earlier, different one is kept as
     ``config.N.yaml``. Returns the path."""
     root = Path(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     path = root / CONFIG_FILE
     text = config_text(cfg)
-    if path.is_file():
-        if path.read_text() == text:
-            return path
-        n = 1
-        while (root / f"config.{n}.yaml").exists():
-            n += 1
-        os.replace(path, root / f"config.{n}.yaml")
-        log.info("the run's config changed since it last started: the earlier one is kept as config.%d.yaml", n)
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".config.", suffix=".yaml")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if path.is_file():
+            if path.read_text() == text:
+                return path
+            n = 1
+            while (root / f"config.{n}.yaml").exists():
+                n += 1
+            os.replace(path, root / f"config.{n}.yaml")
+            log.info("the run's config changed since it last started: the earlier one is kept as config.%d.yaml", n)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".config.", suffix=".yaml")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise CliError(f"cannot write the run's config to {path}: {e.strerror or e}") from None
     return path
 
 

@@ -14,6 +14,7 @@ import random
 from clawrl.demo.users import Question, ask
 
 EVAL_HEADERS = {"X-Turn-Type": "side", "X-Session-Done": "1"}
+SERVING_TEMPERATURE = 1.0  # the OpenAI default, what a client that sets nothing samples at
 
 
 def held_out_questions(n: int, seed: int) -> list[Question]:

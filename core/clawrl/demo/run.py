@@ -20,7 +20,7 @@ import uvicorn
 from tqdm import tqdm
 
 from clawrl.config import compose
-from clawrl.demo.evaluation import held_out_questions, preference_rate
+from clawrl.demo.evaluation import SERVING_TEMPERATURE, held_out_questions, preference_rate
 from clawrl.demo.users import ask, correct, make_user
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
@@ -45,7 +45,6 @@ DEMO_DEFAULTS = (
     "opd.topk=8",  # opd/combine: the teacher's top-8 per token, so distillation also says what to say instead
     "logging.wandb.mode=disabled",  # a throwaway run: metrics.jsonl and the demo's own table suffice
 )
-SERVING_TEMPERATURE = 1.0  # the OpenAI default, what a client that sets nothing samples at
 
 
 @dataclass

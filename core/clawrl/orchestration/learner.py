@@ -78,6 +78,7 @@ class Learner:
             raise ValueError(f"method={cfg.method} needs a teacher's hint for each served turn; environment rollouts "
                              "train on the environment's verdict: use method=rl with env.name")
         self.buffer = RolloutBuffer(store, cfg.train, self.method.readiness)
+        save_run_config(cfg, store.run_dir)  # what clawrl replay and clawrl export-model read back
         self.rollouts: Optional[RolloutWorker] = None  # env.name set: the sample source, built by prepare()
         self.eval_records: list[TaskRecord] = []
         self.on_done = on_done  # env.max_train_steps reached and saved: the server may exit
@@ -429,7 +430,6 @@ def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: Turn
     stopped before it, with the admin routes for pause/resume and a training section in
     ``/admin/status``. ``train.enabled=false``: serve and record only (returns None)."""
     check_method(cfg.method)
-    save_run_config(cfg, store.run_dir)  # what clawrl replay and clawrl export-model read back
     gw = app.state.gateway
     learner = None
     if cfg.train.enabled:
@@ -441,6 +441,7 @@ def attach_learning(app: FastAPI, cfg: ClawrlConfig, engine: Engine, store: Turn
     app.state.learner = learner
 
     if learner is None:
+        save_run_config(cfg, store.run_dir)  # a learner stores it itself
         log.info("train.enabled=false: serving and recording turns only, no judging or training")
         gw.status_sections.append(lambda: {"training": {"enabled": False, "method": cfg.method}})
     else:

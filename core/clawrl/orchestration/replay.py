@@ -7,7 +7,9 @@ D2, the batches run D trained, in D's order, and writes D2's own checkpoints and
 the two runs can be compared side by side (per-step loss and the other train metrics; for an
 environment run ``clawrl env eval NAME --run-dir D2`` evaluates the replay's final weights as it does
 D's). Without overrides the replay reproduces D's weights bit for bit at every checkpoint (torch
-trainer on the CPU), which is what makes a replay with overrides a fair comparison.
+trainer on the CPU), which is what makes a replay with overrides a fair comparison. With ``--held-out``
+the replay also measures its weights at the steps where D measured its held-out curve, as D measured
+them, and draws the two curves side by side (``clawrl.orchestration.replay_eval``).
 
 How determinism is kept:
 
@@ -59,6 +61,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from transformers.utils import logging as transformers_logging
 
 from clawrl.buffer import RolloutBuffer
 from clawrl.checkpoints import ROLLBACK_FILE, CheckpointError, CheckpointStore
@@ -67,6 +70,7 @@ from clawrl.embedded.build import resolve_model
 from clawrl.errors import CliError
 from clawrl.methods.registry import check_method, load_method
 from clawrl.metrics import MetricsLogger
+from clawrl.orchestration.replay_eval import Curve, HeldOutReplay, check_held_out, write_side_by_side
 from clawrl.run_config import compose_for_run
 from clawrl.run_lock import RunDirError, RunDirLock
 from clawrl.schema import BUFFER
@@ -90,13 +94,17 @@ class Replayed:
     checkpoints: list[int]
     last_loss: Optional[float]
     notes: list[str] = field(default_factory=list)
+    held_out: Optional[tuple[Path, Path]] = None  # --held-out: heldout.json and heldout.png
 
 
 def replay(cfg: ClawrlConfig, run_dir: str | Path, out: str | Path, overrides: tuple[str, ...] = (),
-           note: Callable[[str], None] = lambda line: None, preface: tuple[str, ...] = ()) -> Replayed:
+           note: Callable[[str], None] = lambda line: None, preface: tuple[str, ...] = (),
+           held_out: bool = False) -> Replayed:
     """Retrain run ``run_dir``'s recorded batches into the new directory ``out``; see the module
     docstring. Raises CliError, with one line, on bad input (nothing is left in ``out`` then).
-    ``preface``: lines told to ``note`` once the input is known good (where the config came from)."""
+    ``preface``: lines told to ``note`` once the input is known good (where the config came from).
+    ``held_out``: evaluate at the original's held-out steps and write the two curves side by side
+    (``clawrl.orchestration.replay_eval``)."""
     root = Path(run_dir).expanduser()
     if not root.is_dir():
         raise CliError(f"--run-dir {run_dir}: no such run directory")
@@ -117,6 +125,7 @@ def replay(cfg: ClawrlConfig, run_dir: str | Path, out: str | Path, overrides: t
         raise CliError(f"{COMMAND} runs the torch trainer; trainer.backend={cfg.trainer.backend} is not replayed")
     if (root / "checkpoints" / ROLLBACK_FILE).is_file():
         raise CliError(f"--run-dir {run_dir} had a clawrl rollback; its lineage is not one line and cannot be replayed")
+    curve = check_held_out(root) if held_out else None
 
     created = not out.exists()
     try:
@@ -141,7 +150,7 @@ def replay(cfg: ClawrlConfig, run_dir: str | Path, out: str | Path, overrides: t
         for line in preface:
             note(line)
         try:
-            return _train(cfg, root, out, store, steps, overrides, note)
+            return _train(cfg, root, out, store, steps, overrides, note, curve)
         finally:
             store.close()
     finally:
@@ -201,7 +210,7 @@ def _recorded_steps(store: TurnStore, root: Path) -> int:
 
 
 def _train(cfg: ClawrlConfig, root: Path, out: Path, store: TurnStore, steps: int, overrides: tuple[str, ...],
-           note: Callable[[str], None]) -> Replayed:
+           note: Callable[[str], None], curve: Optional[Curve] = None) -> Replayed:
     """The replay proper: D's recorded batches, one ``train_step`` each, checkpoints and metrics in D2."""
     notes: list[str] = []
 
@@ -228,7 +237,24 @@ def _train(cfg: ClawrlConfig, root: Path, out: Path, store: TurnStore, steps: in
     metrics = MetricsLogger(out, cfg.logging, run_config=dataclasses.asdict(cfg))
     saved: list[int] = []
     updated, last_loss, version = 0, None, 0
+    evaluator = HeldOutReplay(cfg, out, curve) if curve is not None else None
+    pushed = 0  # the version the evaluator's engine serves
+
+    def evaluate_at(step: int) -> None:
+        nonlocal pushed
+        if evaluator is None or not evaluator.wants(step):
+            return
+        figures = evaluator.at(step, trainer if version > pushed else None, version)
+        pushed = version
+        was = curve.points[step]
+        tell(f"held out at recorded step {step}: {curve.metric} {figures[curve.metric]:.3f} (the run: "
+             f"{was[curve.metric]:.3f}), {curve.side_metric} {figures[curve.side_metric]:.3f} (the run: "
+             f"{was[curve.side_metric]:.3f})")
+
     try:
+        if evaluator is not None:
+            evaluator.start()
+            evaluate_at(0)
         for step, consumed_version, trained_version, samples in buffer.recorded_batches():
             method.attach(samples)
             result = trainer.train_step(samples, consumed_version)
@@ -239,22 +265,27 @@ def _train(cfg: ClawrlConfig, root: Path, out: Path, store: TurnStore, steps: in
                 if trainer.paused_reason:
                     tell(f"stopped after recorded step {step}: {trainer.paused_reason}")
                     break
+                evaluate_at(step)
                 continue
             updated, last_loss, version = updated + 1, result.metrics.get("loss"), trained_version
             metrics.log_step(trainer.step, {**figures, "weight_version": trained_version})
             if checkpoints.after_step(trainer, trained_version) is not None:
                 saved.append(trainer.step)
+            evaluate_at(step)
         if updated and (not saved or saved[-1] != trainer.step):
             checkpoints.save(trainer, version)
             saved.append(trainer.step)
     finally:
+        if evaluator is not None:
+            evaluator.close()
         metrics.close()
         trainer.close()
+    side_by_side = write_side_by_side(curve, evaluator.replayed, out, root, overrides) if evaluator else None
     (out / PROVENANCE).write_text(json.dumps({
         "run_dir": str(root.resolve()), "overrides": list(overrides), "recorded_steps": steps,
         "updated_steps": updated, "checkpoints": saved, "last_loss": last_loss, "replayed_at": time.time(),
     }, indent=2) + "\n")
-    return Replayed(out, steps, updated, saved, last_loss, notes)
+    return Replayed(out, steps, updated, saved, last_loss, notes, side_by_side)
 
 
 def _has_teacher_scores(store: TurnStore) -> bool:
@@ -266,13 +297,18 @@ def replay_cli(args) -> int:
     """``clawrl replay --run-dir D --out D2 [key=value ...]``: the config is D's stored one (its
     ``config.yaml``) under the command line's overrides."""
     note = lambda line: print(f"clawrl: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    transformers_logging.disable_progress_bar()  # the console: the notes, then what was done
     if Path(args.run_dir).expanduser().is_dir():
         run = compose_for_run(args.run_dir, args.overrides)
         cfg, preface = run.cfg, tuple(run.notes(COMMAND))
     else:
         cfg, preface = compose(args.overrides), ()  # replay() says the directory is missing
-    done = replay(cfg, args.run_dir, args.out, tuple(args.overrides), note=note, preface=preface)
+    done = replay(cfg, args.run_dir, args.out, tuple(args.overrides), note=note, preface=preface,
+                  held_out=args.held_out)
     print(f"clawrl: replayed {done.steps} train step(s) of {args.run_dir} into {done.out} ({done.updated} updated; "
           f"checkpoints {', '.join(f'step_{s}' for s in done.checkpoints) or 'none'}; last loss "
           f"{done.last_loss if done.last_loss is not None else 'n/a'})", flush=True)
+    if done.held_out is not None:
+        print(f"clawrl: held-out curves side by side in {done.held_out[1]} ({done.held_out[0].name} beside it)",
+              flush=True)
     return 0
