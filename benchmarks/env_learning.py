@@ -15,6 +15,10 @@ the same run; nothing is timed against a threshold.
 
     python benchmarks/env_learning.py toolcall-rl --seeds 1 2 3 --steps 30
     python benchmarks/env_learning.py terminal-rl --seeds 1 --steps 10 -- env.group_size=4
+    python benchmarks/env_learning.py gui-rl --eval-split test_click --seeds 1 2 --steps 8 --eval-every 4 \
+        -- env.split=train_click_easy env.group_size=16
+
+``--eval-split`` names the held-out split of both evaluations (and of the runs' periodic ones).
 """
 from __future__ import annotations
 
@@ -34,9 +38,9 @@ RESULTS = REPO / "benchmarks" / "results"
 CLAWRL = [sys.executable, "-c", "import sys; from clawrl.cli import main; sys.exit(main())"]
 
 
-def evaluate(recipe: str, run_dir: Path | None, overrides: list[str]) -> tuple[dict, float]:
-    """The last JSON line of ``clawrl env eval RECIPE --split test [--run-dir D]`` and its seconds."""
-    cmd = [*CLAWRL, "env", "eval", recipe, "--split", "test", *(["--run-dir", str(run_dir)] if run_dir else []),
+def evaluate(recipe: str, run_dir: Path | None, overrides: list[str], split: str = "test") -> tuple[dict, float]:
+    """The last JSON line of ``clawrl env eval RECIPE --split SPLIT [--run-dir D]`` and its seconds."""
+    cmd = [*CLAWRL, "env", "eval", recipe, "--split", split, *(["--run-dir", str(run_dir)] if run_dir else []),
            *overrides]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -108,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-split", default="test", help="the held-out split (default: test)")
     ap.add_argument("--keep", help="keep the run directories under this directory")
     ap.add_argument("overrides", nargs="*", help="key=value for training and both evaluations (model.path=... "
                     "evaluates that model), anywhere or after --")
@@ -116,14 +121,15 @@ def main(argv=None) -> int:
     # training server it waits on instead of leaving it running
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="clawrl-env-learning-"))
-    before, before_s = evaluate(args.recipe, None, args.overrides)  # the model the runs train
+    overrides = [*args.overrides, f"env.eval_split={args.eval_split}"]
+    before, before_s = evaluate(args.recipe, None, args.overrides, args.eval_split)  # the model the runs train
     print(f"untrained: {json.dumps(before)} ({before_s:.0f} s)", flush=True)
     runs = []
     for seed in args.seeds:
         run_dir = base / f"{args.recipe}-seed{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        train_s = train(args.recipe, run_dir, seed, args.steps, args.eval_every, args.overrides)
-        after, after_s = evaluate(args.recipe, run_dir, args.overrides)
+        train_s = train(args.recipe, run_dir, seed, args.steps, args.eval_every, overrides)
+        after, after_s = evaluate(args.recipe, run_dir, args.overrides, args.eval_split)
         c = curves(run_dir)
         episodes = sum(p["episodes"] for p in c["steps"])
         run = {"seed": seed, "after": after, "train_s": round(train_s, 1), "eval_s": round(after_s, 1),
@@ -134,9 +140,12 @@ def main(argv=None) -> int:
               f"({run['minutes_total']} min, {run['episodes_per_minute']} episodes/min)", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    result = {"recipe": args.recipe, "commit": commit, "steps": args.steps, "overrides": args.overrides,
+    result = {"recipe": args.recipe, "commit": commit, "steps": args.steps, "eval_split": args.eval_split,
+              "overrides": args.overrides,
               "command": " ".join(["python benchmarks/env_learning.py", args.recipe, "--seeds",
-                                   *map(str, args.seeds), "--steps", str(args.steps), *(
+                                   *map(str, args.seeds), "--steps", str(args.steps),
+                                   *(["--eval-every", str(args.eval_every)] if args.eval_every != 10 else []),
+                                   *(["--eval-split", args.eval_split] if args.eval_split != "test" else []), *(
                                        ["--", *args.overrides] if args.overrides else [])]),
               "hardware": f"{os.cpu_count()} CPU cores", "before": before, "runs": runs}
     out = RESULTS / f"{args.recipe.strip('/').replace('/', '_')}_learning.json"

@@ -28,6 +28,7 @@ DATA = HERE / "data"
 TRAIN_SEEDS, TEST_SEEDS = 16, 5
 CLICK_FAMILY = ("click-button", "click-link", "click-test-2", "unicode-test", "click-tab", "click-dialog-2")
 CLICK_TRAIN_SEEDS, CLICK_TEST_SEEDS = 64, 10
+CLICK_EASY = ("click-test-2",)
 OSWORLD_TEST = ("profile-city", "search-title")
 
 
@@ -43,6 +44,10 @@ def splits() -> dict[str, list[dict]]:
         # ids are unique across a task set, so the family's rows have their own (same instances)
         "train_click": _miniwob(CLICK_FAMILY, range(CLICK_TRAIN_SEEDS), "family/"),
         "test_click": _miniwob(CLICK_FAMILY, range(TEST_SEED_BASE, TEST_SEED_BASE + CLICK_TEST_SEEDS), "family/"),
+        # the family's easiest task alone (two buttons, ONE and TWO; the untrained model clicks the
+        # right one on 1.5% of T=1 first turns, 0.5% across the family): the learning run's train
+        # split, evaluated on test_click (README.md, "Learning")
+        "train_click_easy": _miniwob(CLICK_EASY, range(CLICK_TRAIN_SEEDS), "easy/"),
     }
     for name, task in osworld.items():
         rows["test" if name in OSWORLD_TEST else "train"].append({"task_id": f"osworld/{name}", "osworld": task})

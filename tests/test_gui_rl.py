@@ -79,8 +79,16 @@ def test_an_action_the_screen_cannot_take_gets_an_observation_and_changes_nothin
     assert says in out.observation.messages[0]["content"]
 
 
+@pytest.mark.parametrize("reply", ["click the Ok button", '{"action": "click", "element": 99}'])
+def test_after_a_reply_that_changed_nothing_the_screen_is_shown_again(reply):
+    # the format's user turns are screens: with the reason alone the embedded model left the format
+    out = asyncio.run(_env_on_screen().step(reply))
+    text = out.observation.messages[0]["content"]
+    assert text.endswith('Screen (accessibility tree):\n[64] button "Ok" (62, 134, 95, 155)'), text
+
+
 def test_train_and_test_share_no_instance_and_thirty_tasks_are_wired():
-    train = [r for s in ("train", "train_click") for r in _rows(s)]
+    train = [r for s in ("train", "train_click", "train_click_easy") for r in _rows(s)]
     test = [r for s in ("test", "test_click") for r in _rows(s)]
     instances = lambda rows: {(r["miniwob"], r["seed"]) for r in rows if "miniwob" in r}  # noqa: E731
     assert not instances(train) & instances(test)
