@@ -361,6 +361,9 @@ def phase_result(requests: list[Request], wall_s: float, before: dict, after: di
         "weight_version": [before["weight_version"], after["weight_version"]],
         "samples_trained": trained, "samples_skipped": skipped,
         "samples_trained_per_min": round(60 * trained / wall_s, 1),
+        # of the judged samples a step reached in this phase, the share dropped for exceeding max_weight_lag
+        "stale_fraction": round(skipped.get("stale", 0) / (trained + skipped.get("stale", 0)), 4)
+        if trained + skipped.get("stale", 0) else None,
     }
 
 
@@ -406,9 +409,11 @@ def measure(url: str, model: str, args, chat_headers: dict, admin_headers: dict,
     served = t["weight_versions_served"]
     versions = f"{len(served)} versions served" + (f" (w{served[0]}..w{served[-1]})" if served else "")
     skipped = ", ".join(f"{k} {n}" for k, n in sorted(t["samples_skipped"].items())) or "none"
+    stale = "-" if t["stale_fraction"] is None else f"{t['stale_fraction']:.1%}"
     print(f"training on: {t['train_steps']} train steps, weight version {t['weight_version'][0]} -> "
           f"{t['weight_version'][1]}, {versions}; {t['samples_trained']} samples trained "
-          f"({t['samples_trained_per_min']:.1f} per minute); turns skipped: {skipped}", flush=True)
+          f"({t['samples_trained_per_min']:.1f} per minute); turns skipped: {skipped}; dropped as stale: {stale}",
+          flush=True)
     base, loaded = phases["paused"]["latency_p99_s"], t["latency_p99_s"]
     ratio = loaded / base if base and loaded else None
     print(f"latency p99 training / paused: {'-' if ratio is None else f'{ratio:.2f}'} ({ms(loaded)} / {ms(base)})",

@@ -37,7 +37,12 @@ the same weights and 8 x 2048 tokens a step, with MFU against the matmul ceiling
 Sync (``gpu_sync.py``): the weights streamed from another process on the same GPU, through CUDA IPC
 and through gloo, against a raw device-to-device copy.
 
-    python benchmarks/gpu_suite.py --part decode|prefill|serving|train|sync|all [--shape qwen3-1.7b|qwen3-0.6b|tiny]
+Staleness (``gpu_staleness.py``): the share of judged samples dropped as stale while 8 simulated
+users chat through ``openclaw-combine/run.sh`` and the trainer shares the GPU, at the default
+``train.max_weight_lag``, against fixed-size train steps in the same run (only when asked for by
+name: it starts two servers).
+
+    python benchmarks/gpu_suite.py --part decode|prefill|serving|train|sync|all|staleness [--shape qwen3-1.7b|qwen3-0.6b|tiny]
 """
 from __future__ import annotations
 
@@ -72,7 +77,7 @@ from clawrl.sessions import SessionLinker
 from clawrl.store import TurnStore
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(Path(__file__).parent) not in sys.path:  # gpu_train and gpu_sync beside it, also when loaded by path
+if str(Path(__file__).parent) not in sys.path:  # gpu_train, gpu_sync, gpu_staleness beside it, also when loaded by path
     sys.path.insert(0, str(Path(__file__).parent))
 CLIENT = Path(__file__).with_name("gpu_serving_client.py")
 FIXTURE = ROOT / "tests" / "fixtures" / "openclaw-2026.9.6" / "chat_turn1.json"
@@ -549,7 +554,7 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "sync", "all"), default="all")
+    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "sync", "staleness", "all"), default="all")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="model shape (default: qwen3-1.7b on a GPU, tiny on a CPU)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
@@ -583,8 +588,13 @@ def main(argv=None) -> int:
     if args.part in ("sync", "all"):
         from gpu_sync import run_sync
 
-        results["sync"] = {**run_sync(build_model, shape, device), **stamp, "shape": shape}
-    if args.part in ("train", "sync"):
+        sync_figures = run_sync(build_model, shape, device, args.repeat, serve=lambda m: loaded_model(m, shape))
+        results["sync"] = {**sync_figures, **stamp, "shape": shape}
+    if args.part == "staleness":  # not in "all": two servers for a minute and a half each
+        from gpu_staleness import run_staleness
+
+        results["staleness"] = {**run_staleness(SHAPES[shape], device), **stamp, "shape": shape}
+    if args.part in ("train", "sync", "staleness"):
         return write_results(out, results, stamp, shape, t0)
     model = build_model(shape, device)
     lm = loaded_model(model, shape)

@@ -8,9 +8,16 @@ IPC, device to device) against ``gloo`` (through host memory, what the megatron 
 GPU before), and a raw device-to-device copy of the same bytes in one process as the floor. Every
 run checks that the staged tensors equal the sent ones bit for bit (a sum of their bytes per tensor,
 computed on each side). On a CPU only gloo runs (at the tiny size), so the script cannot rot.
+
+In process (``in_process_ms``): ``InProcessWeightSync`` pushes new weights (every tensor changed,
+exported as copies, as the torch trainer exports them) into a started ``TorchEngine`` serving the
+model, the path a torch-backend run takes after each step. Each run's result is checked: the
+engine's greedy tokens and their logprobs are those of a separate HF model holding the same
+weights (teacher-forced, within bf16 tolerance).
 """
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 
@@ -98,7 +105,57 @@ def raw_copy_ms(shapes: dict, device: str, runs: int) -> float:
     return statistics.median(out)
 
 
-def run_sync(build_model, shape: str, device: str, runs: int = 3) -> dict:
+class NewWeights:
+    """A trainer's side of an in-process sync after a step: ``export_weights`` returns copies, as
+    ``TorchTrainer.export_weights`` does, of weights unlike the served ones."""
+
+    def __init__(self, named: dict[str, torch.Tensor]):
+        self.named = named
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.named.items()}
+
+
+def matches_reference(model, prompt: list[int], served, tol: float) -> bool:
+    """The served greedy tokens are the reference's argmax (or within ``tol`` of it: bf16 near-ties)
+    at every position, teacher-forced, and their logprobs are the reference's within ``tol``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + served.token_ids], device=model.device)).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+    picked = lp[torch.arange(len(served.token_ids)), torch.tensor(served.token_ids, device=lp.device)]
+    return bool((lp.max(-1).values - picked).max() <= tol
+                and (picked.cpu() - torch.tensor(served.logprobs)).abs().max() <= tol)
+
+
+async def _in_process(build_model, serve, shape: str, device: str, runs: int) -> tuple[list[float], list[bool]]:
+    from clawrl.config import compose
+    from clawrl.engines.base import SamplingParams
+    from clawrl.engines.torch_engine import TorchEngine
+    from clawrl.weight_sync import InProcessWeightSync
+
+    engine = TorchEngine(serve(build_model(shape, device)), compose([]).engine)
+    reference = build_model(shape, device)
+    shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()
+              if k != "lm_head.weight" or not reference.config.tie_word_embeddings}
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [11, 12, 13, 14, 15]
+    await engine.start()
+    times, checks = [], []
+    try:
+        sync = InProcessWeightSync(engine)
+        for run in range(runs):
+            # unlike the served ones (and each run's predecessor), at the scale of HF's initialisation
+            named = {k: v * 0.02 for k, v in weights(shapes, 100 + run, device).items()}
+            times.append(await sync.push(NewWeights(named), sync.version + 1))
+            reference.load_state_dict(named, strict=False)
+            served = await engine.generate(prompt, greedy)
+            checks.append(matches_reference(reference, prompt, served, 0.05 if device == "cuda" else 1e-4))
+    finally:
+        await engine.shutdown()
+    return times, checks
+
+
+def run_sync(build_model, shape: str, device: str, runs: int = 3, serve=None) -> dict:
     model = build_model(shape, "meta")
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"
               or not model.config.tie_word_embeddings}
@@ -111,4 +168,13 @@ def run_sync(build_model, shape: str, device: str, runs: int = 3) -> dict:
         print(f"sync over {backend}: {statistics.median(times):.0f} ms for {nbytes / 2**30:.2f} GiB "
               f"(runs {[round(t) for t in times]}); raw copy {out['raw_copy_ms']:.1f} ms", flush=True)
     out["cross_process_ms"] = out["ipc" if device == "cuda" else "gloo"]["ms"]
+    if serve is not None:
+        times, checks = asyncio.run(_in_process(build_model, serve, shape, device, runs))
+        out["in_process"] = {"ms": statistics.median(times), "runs_ms": times, "served_equals_reference": checks}
+        out["in_process_ms"] = out["in_process"]["ms"]
+        print(f"sync in process (InProcessWeightSync into a started TorchEngine): {out['in_process_ms']:.0f} ms "
+              f"(runs {[round(t) for t in times]}); served greedy tokens and logprobs equal the reference's: "
+              f"{checks}", flush=True)
+        if not all(checks):
+            raise RuntimeError("after an in-process sync the engine's output differs from the reference model's")
     return out

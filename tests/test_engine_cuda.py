@@ -3,6 +3,7 @@ batched decoding, seeded sampling and score-vs-generate logprobs stay consistent
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -101,6 +102,44 @@ def test_graph_decode_matches_eager_and_hf_fp32(model_dir):
         w = lm.model.model.norm.weight
         w.copy_(w * 0.5)  # in place, as TorchEngine._update_weights does
         torch.testing.assert_close(graphed.step([7, 8]).clone(), eager.step([7, 8]).clone(), atol=1e-4, rtol=0)
+
+
+def test_graphs_are_captured_while_another_thread_trains_on_the_gpu(model_dir):
+    """A trainer sharing the GPU from another thread allocates (cudaMalloc) while the engine captures
+    decode graphs: neither fails (under the default "global" capture mode both did, and the train
+    step's samples were lost)."""
+    lm = load_model(str(model_dir), device="cuda", dtype="float32")
+    rf = RaggedForward(lm.model)
+    vocab = lm.model.config.vocab_size
+    errors, stop = [], threading.Event()
+
+    def train():
+        n = 1
+        try:
+            while not stop.is_set():
+                n = n % 64 + 1  # new sizes: the caching allocator keeps asking the driver for memory
+                w = torch.randn(256 * n, 256, device="cuda", requires_grad=True)
+                (w @ w.T).square().mean().backward()
+                float(w.grad.sum())  # a host sync, as a train step's loss.item()
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(f"{type(e).__name__}: {e}")
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    try:
+        dec = StaticDecoder(rf, slots=8, capacity=1024, graphs=True)
+        with torch.no_grad():
+            for n in range(1, 9):  # a new batch bucket (a capture) for each admitted prompt
+                kv = rf.new_kv(8, 1024)
+                prompt = [3 + n] * (20 * n)
+                rf.forward([Segment(kv, prompt, [])])
+                dec.admit(prompt, kv)
+                dec.step([5] * n)
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors[:1]
+    assert dec.captures >= 4 and all(g is not None for g in dec._graphs.values()), dec._graphs
 
 
 def test_engine_graph_decode_greedy_batched_equals_solo_fp32(model_dir):

@@ -40,7 +40,8 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
     for n in (2, 4):  # every chat got all its tokens through HTTP (the suite checks the count)
         s = res["serving"][f"chats_{n}"]
         assert s["gateway_tok_s"] > 0 and s["engine_tok_s"] > 0
-        assert s["ratio"] == pytest.approx(s["gateway_tok_s"] / s["engine_tok_s"], rel=1e-2)
+        # rounded to 3 decimals: absolute slack for a small ratio (a busy CPU)
+        assert s["ratio"] == pytest.approx(s["gateway_tok_s"] / s["engine_tok_s"], rel=1e-2, abs=1e-3)
         assert 0 < s["gateway_ttft_p50_ms"] <= s["gateway_latency_p50_ms"]
         assert 0 < s["engine_ttft_p50_ms"] <= s["engine_latency_p50_ms"]
         assert s["prompt_tokens_mean"] > 20 and s["new_tokens"] == 8 and s["engine_generate_tok_s"] > 0
@@ -54,6 +55,8 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
     assert t["torch_two_micro_batches"]["micro_batches"] == 2 and t["torch"]["micro_batches"] == 1
     s = res["sync"]  # on CPU only gloo, its staged bytes checked against the sent ones
     assert s["gloo"]["ms"] > 0 and s["cross_process_ms"] == s["gloo"]["ms"] and "ipc" not in s
+    # in process, into a started engine, checked against a reference model holding the same weights
+    assert s["in_process_ms"] > 0 and s["in_process"]["served_equals_reference"] == [True]
     printed = capsys.readouterr().out
     assert "| HF loop (probe) |" in printed and "| gloo |" in printed
     assert "| decode, 1 stream(s)" in printed and "| cold prefill, OpenClaw request" in printed

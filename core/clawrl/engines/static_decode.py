@@ -240,7 +240,10 @@ class StaticDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: the trainer may share the GPU from another thread, and under the default
+            # "global" mode its allocations (cudaMalloc) during a capture fail its train step and
+            # invalidate the capture. Nothing it does touches this capture's stream or pool.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._forward(b, w)
         except Exception as e:  # e.g. a rope variant that syncs: that shape runs eagerly
             log.warning("decode graph for batch %d, width %d not captured (%s: %s); running it eagerly",
