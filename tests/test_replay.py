@@ -248,10 +248,10 @@ def test_a_run_stores_its_config_without_secrets(model_dir, trained_run, tmp_pat
     assert hf not in text and "[REDACTED:hf_token]" in text
     # a restart with another config keeps the earlier one
     save_run_config(compose(["train.lr=1e-3"]), tmp_path / "R")
-    assert "lr: 0.0003" in (tmp_path / "R" / "config.1.yaml").read_text()
+    assert "lr: 0.0003" in (tmp_path / "R" / "run_config.1.yaml").read_text()
     assert "lr: 0.001" in path.read_text()
     save_run_config(compose(["train.lr=1e-3"]), tmp_path / "R")  # the same again: nothing new kept
-    assert not (tmp_path / "R" / "config.2.yaml").exists()
+    assert not (tmp_path / "R" / "run_config.2.yaml").exists()
 
 
 def test_replay_and_export_read_the_stored_config_and_the_command_line_wins(model_dir, trained_run, tmp_path,
@@ -259,7 +259,7 @@ def test_replay_and_export_read_the_stored_config_and_the_command_line_wins(mode
     out = tmp_path / "D2"
     assert main(["replay", "--run-dir", str(trained_run), "--out", str(out)]) == 0  # no override at all
     err = capsys.readouterr().err
-    assert f"config from {trained_run / 'config.yaml'}: " in err and f"model.path={model_dir}" in err
+    assert f"config from {trained_run / 'run_config.yaml'}: " in err and f"model.path={model_dir}" in err
     assert "train.lr=0.01" in err
     for step in (1, 2, 3):
         assert differing(trained_run, out, step) == [], step
@@ -279,12 +279,12 @@ def test_replay_and_export_read_the_stored_config_and_the_command_line_wins(mode
 def test_an_old_run_without_a_stored_config_replays_from_the_command_line(model_dir, trained_run, tmp_path, capsys):
     run = tmp_path / "D"
     shutil.copytree(trained_run, run)
-    (run / "config.yaml").unlink()
+    (run / "run_config.yaml").unlink()
     out = tmp_path / "D2"
     assert main(["replay", "--run-dir", str(run), "--out", str(out), f"model.path={model_dir}", "model.name=tiny",
                  *RUN]) == 0
     err = capsys.readouterr().err
-    assert "no stored config.yaml (a run started before clawrl stored its config)" in err
+    assert "no stored run_config.yaml (a run started before clawrl stored its config)" in err
     assert differing(run, out, 3) == []
 
 

@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
                         description="Write run D's checkpoint of weight version V (default: the newest complete "
                                     "one) to DIR as a Hugging Face model directory: config, tokenizer and chat "
                                     "template, generation config, model.safetensors, over the base model the run "
-                                    "trained (model.path and train.lora come from D's stored config.yaml; overrides win). A LoRA "
+                                    "trained (model.path and train.lora come from D's stored run_config.yaml; overrides win). A LoRA "
                                     "run's adapter is merged, or with --adapter saved unmerged in PEFT's format. "
                                     "Reads D beside a live server, without its lock; nothing is written there.")
     xm.add_argument("--run-dir", default=run_dir, metavar="D", help=run_dir_help)
@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="retrain a run's stored batches offline, in its order, into a new directory",
                         description="Retrain, from the version-0 weights, the batches run D trained, in D's order, "
                                     "batches and weight versions, into D2 (its own checkpoints and metrics.jsonl). "
-                                    "The config is D's stored config.yaml under the overrides given here; without any the "
+                                    "The config is D's stored run_config.yaml under the overrides given here; without any the "
                                     "replay reproduces D's weights bit for bit at every checkpoint (torch trainer, "
                                     "CPU); with others (train.lr=..., method=...) it is what online learning would "
                                     "have done with the same batches. Reads D beside a live server, without its "

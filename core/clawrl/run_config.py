@@ -1,4 +1,4 @@
-"""The run's own config, stored in its run directory (``config.yaml``), and read back.
+"""The run's own config, stored in its run directory (``run_config.yaml``), and read back.
 
 A run is started with overrides (``model.path``, ``train.*``, ``method``, a recipe's ``config.yaml``);
 commands that later read the run (``clawrl replay``, ``clawrl export-model``) need the same settings,
@@ -10,7 +10,7 @@ and a credential inside any other string value (``clawrl.redact``: ``sk-...``, `
 is masked.
 
 A restart with the same config leaves the file alone; a restart with another one keeps the earlier file
-as ``config.1.yaml`` (``.2``, ...) and writes the new one, so ``config.yaml`` is always what the run
+as ``run_config.1.yaml`` (``.2``, ...) and writes the new one, so ``run_config.yaml`` is always what the run
 runs with now and nothing it ran with is lost.
 
 ``compose_for_run`` composes a command's config for an existing run: the stored config as a layer over
@@ -37,7 +37,7 @@ from clawrl.redact import redact_text
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.yaml"
+CONFIG_FILE = "run_config.yaml"  # not config.yaml: a recipe's or the user's --config file may sit in a run dir
 HEADER = ("# clawrl: the resolved config this run started with (keys naming a secret are written as null).\n"
           "# clawrl replay and clawrl export-model read it; their command-line overrides win.\n")
 _SECRET = re.compile(r"(key|secret|passw(or)?d|(^|_)token)$", re.IGNORECASE)
@@ -76,8 +76,8 @@ def config_text(cfg: ClawrlConfig) -> str:
 
 
 def save_run_config(cfg: ClawrlConfig, run_dir: str | Path) -> Path:
-    """Write ``cfg`` into ``run_dir/config.yaml`` (atomically); an earlier, different one is kept as
-    ``config.N.yaml``. Returns the path."""
+    """Write ``cfg`` into ``run_dir/run_config.yaml`` (atomically); an earlier, different one is kept as
+    ``run_config.N.yaml``. Returns the path."""
     root = Path(run_dir)
     path = root / CONFIG_FILE
     text = config_text(cfg)
@@ -87,11 +87,11 @@ def save_run_config(cfg: ClawrlConfig, run_dir: str | Path) -> Path:
             if path.read_text() == text:
                 return path
             n = 1
-            while (root / f"config.{n}.yaml").exists():
+            while (root / f"run_config.{n}.yaml").exists():
                 n += 1
-            os.replace(path, root / f"config.{n}.yaml")
-            log.info("the run's config changed since it last started: the earlier one is kept as config.%d.yaml", n)
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=".config.", suffix=".yaml")
+            os.replace(path, root / f"run_config.{n}.yaml")
+            log.info("the run's config changed since it last started: the earlier one is kept as run_config.%d.yaml", n)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".run_config.", suffix=".yaml")
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
@@ -109,11 +109,11 @@ class RunConfig:
     """A command's config for an existing run, and where its values came from."""
 
     cfg: ClawrlConfig
-    stored: Optional[Path]  # the run's config.yaml, None when the run has none
+    stored: Optional[Path]  # the run's run_config.yaml, None when the run has none
     taken: dict[str, Any] = field(default_factory=dict)  # stored values that differ from the defaults
     overridden: list[str] = field(default_factory=list)  # keys the command line set
     dropped: list[str] = field(default_factory=list)  # stored keys this clawrl no longer knows
-    earlier: list[Path] = field(default_factory=list)  # config.N.yaml: what the run started with before
+    earlier: list[Path] = field(default_factory=list)  # run_config.N.yaml: what the run started with before
 
     def notes(self, command: str) -> list[str]:
         """What to tell the user: one line each."""
@@ -166,6 +166,6 @@ def compose_for_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
     defaults = _flat(dataclasses.asdict(ClawrlConfig()))
     set_here = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
     taken = {k: v for k, v in kept.items() if k not in set_here and defaults.get(k, object()) != v}
-    earlier = sorted(root.glob("config.*.yaml"), key=lambda p: int(p.name.split(".")[1])
+    earlier = sorted(root.glob("run_config.*.yaml"), key=lambda p: int(p.name.split(".")[1])
                      if p.name.split(".")[1].isdigit() else 0)
     return RunConfig(cfg, path, taken, set_here, dropped, earlier)

@@ -6,7 +6,7 @@ model anywhere else (``transformers``, another server, ``clawrl serve model.path
 run) it has to become an ordinary model directory: ``config.json``, the tokenizer with its chat
 template, ``generation_config.json`` and ``model.safetensors``, from the base model the run trained
 (``model.path``, as the run was configured: ``clawrl export-model`` composes the run's stored
-``config.yaml`` under the command line's overrides, ``clawrl.run_config``) with the checkpoint's weights
+``run_config.yaml`` under the command line's overrides, ``clawrl.run_config``) with the checkpoint's weights
 in place.
 
 The weights are exactly those the trainer served at that version: the checkpoint is found and read

@@ -30,7 +30,7 @@ How determinism is kept:
   random numbers unless something drops out (``train.lora.dropout > 0`` or a model with dropout): then
   the online run's draws depended on everything else its process sampled, and the replay says it cannot
   be exact.
-- *The config.* A run stores its resolved config in its directory when it starts (``config.yaml``,
+- *The config.* A run stores its resolved config in its directory when it starts (``run_config.yaml``,
   ``clawrl.run_config``, secrets left out); ``clawrl replay`` composes D's stored config under the command
   line's overrides (the ones to try; they win) and says what it took from which. A run directory from
   before that composes from the command line alone (said in one line): give the run's own overrides.
@@ -295,7 +295,7 @@ def _has_teacher_scores(store: TurnStore) -> bool:
 
 def replay_cli(args) -> int:
     """``clawrl replay --run-dir D --out D2 [key=value ...]``: the config is D's stored one (its
-    ``config.yaml``) under the command line's overrides."""
+    ``run_config.yaml``) under the command line's overrides."""
     note = lambda line: print(f"clawrl: {line}", file=sys.stderr, flush=True)  # noqa: E731
     transformers_logging.disable_progress_bar()  # the console: the notes, then what was done
     if Path(args.run_dir).expanduser().is_dir():
