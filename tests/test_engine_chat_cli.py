@@ -55,7 +55,9 @@ def test_chat_with_bad_model_dir_is_one_line_exit_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == f"clawrl: model path {tmp_path / 'missing'} does not exist"
     out = clawrl("chat", "hi", "engine.backend=sglang", f"model.path={tmp_path}")
-    assert out.returncode == 2 and "SGLang is not installed" in out.stderr
+    # not installed, or installed from requirements-sglang.txt without its GPU dependencies
+    assert out.returncode == 2 and ("SGLang is not installed" in out.stderr
+                                    or "SGLang is installed but does not import" in out.stderr)
     assert len(out.stderr.strip().splitlines()) == 1
 
 
