@@ -372,7 +372,15 @@ def test_tool_call_session_is_recorded_with_tool_results_as_next_states(tmp_path
     home = _home(tmp_path_factory, "openclaw-tools", tool_server.snippet, plugin=False)
     sid, follow_up = "oc-tools", "Thanks, that is all."
     with openclaw_cli.Gateway(home) as gw:
-        walls = [timed_turn(gw.agent_turn, sid, message)[1] for message in (TOOL_TRIGGER, follow_up)]
+        walls = [timed_turn(gw.agent_turn, sid, TOOL_TRIGGER)[1]]
+        try:
+            walls.append(timed_turn(gw.agent_turn, sid, follow_up)[1])
+        except RuntimeError as e:
+            # The tiny model's own greedy reply to the follow-up may be a malformed tool call, which
+            # OpenClaw rejects (candidate_failed, reason "format"; seen with one build of the embedded
+            # model): the request still reached clawrl, and its linking is what this test checks.
+            if '"reason": "format"' not in str(e):
+                raise
     turns = [t for t in tool_server.turns() if mentions(t, TOOL_TRIGGER)]
     report_times("OpenClaw tool session", walls, turns)
     call, answer = turns[0], turns[1]
