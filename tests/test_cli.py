@@ -165,3 +165,14 @@ def test_an_offline_wandb_run_ends_with_the_sync_command(tmp_path, capsys):
     offline_dir = Path(hints[0].rsplit("wandb sync ", 1)[1])
     assert offline_dir.parent == tmp_path / "wandb" and offline_dir.name.startswith("offline-run-")
     assert any(offline_dir.glob("*.wandb"))  # the run's data, what `wandb sync` uploads
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`clawrl env list gui-rl | head -1`: the pipe closes before clawrl writes; it exits 141 (as
+    SIGPIPE would) and writes no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", "env", "list", "gui-rl"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # long before the interpreter has started and written a row
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -3,6 +3,7 @@ parses arguments and turns expected failures into a one-line reason and exit sta
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from clawrl.chat import chat_cli
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `clawrl env list | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
 
 
 if __name__ == "__main__":
