@@ -619,8 +619,12 @@ def model_defaults_path(model_path: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
-def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None = None) -> ClawrlConfig:
-    """Build the config: dataclass defaults < the model's defaults < ``yaml_path`` < ``overrides``.
+def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None = None,
+            layer: tuple[str, Any] | None = None) -> ClawrlConfig:
+    """Build the config: dataclass defaults < the model's defaults < ``yaml_path`` < ``layer`` < ``overrides``.
+
+    ``layer`` is a (name, OmegaConf tree of known keys) already loaded, such as a run's stored
+    config (``clawrl.run_config``); ``name`` is what error messages call it.
 
     ``model.path`` picks the model's defaults (``model_defaults_path``) but is itself set by the
     recipe or the command line, so this composes twice: once without the model's layer to learn
@@ -630,6 +634,8 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
     """
     dotlist = _parse_overrides(overrides)
     layers = [(str(yaml_path), _load_layer(yaml_path))] if yaml_path else []
+    if layer is not None:
+        layers.append(layer)
     first, _ = _merge(layers, dotlist)
     model_file = model_defaults_path(first.model.path)
     if model_file is not None:

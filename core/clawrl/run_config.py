@@ -153,16 +153,7 @@ def compose_for_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
     layer = OmegaConf.create({})
     for k, v in kept.items():
         OmegaConf.update(layer, k, v, force_add=True)
-    fd, tmp = tempfile.mkstemp(prefix="clawrl-run-config-", suffix=".yaml")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(OmegaConf.to_yaml(layer))
-        try:
-            cfg = compose(overrides, yaml_path=tmp)
-        except ConfigError as e:
-            raise ConfigError(str(e).replace(tmp, str(path))) from None
-    finally:
-        os.unlink(tmp)
+    cfg = compose(overrides, layer=(str(path), layer))
     defaults = _flat(dataclasses.asdict(ClawrlConfig()))
     set_here = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
     taken = {k: v for k, v in kept.items() if k not in set_here and defaults.get(k, object()) != v}
