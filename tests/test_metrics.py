@@ -10,7 +10,8 @@ import time
 import pytest
 
 from clawrl.config import ConfigError, LoggingConfig, WandbConfig, compose
-from clawrl.metrics import PROBE_TIMEOUT_S, MetricsLogger, configure_logging, public_config, wandb_reachable
+from clawrl.metrics import PROBE_TIMEOUT_S, MetricsLogger, configure_logging, wandb_reachable
+from clawrl.redact import public_config
 
 SECRET = "sk-proj-abcdefghijklmnopqrstuvwxyz0123456789ABCD"
 

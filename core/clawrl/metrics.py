@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import sys
 import threading
@@ -26,14 +25,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from clawrl.config import ConfigError, LoggingConfig
-from clawrl.redact import redact_text
+from clawrl.redact import public_config, redact_text
 
 log = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online", "disabled")
 PROBE_TIMEOUT_S = 2.0
-# api_key, admin_key, hf_token, secret, password; not micro_batch_tokens or max_new_tokens
-_SECRET_KEY = re.compile(r"(key|secret|passw(or)?d|(^|_)token)$", re.IGNORECASE)
 
 
 def configure_logging(cfg: LoggingConfig) -> None:
@@ -66,17 +63,6 @@ def wandb_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     t.start()
     t.join(timeout_s)
     return bool(ok)
-
-
-def public_config(value):
-    """``value`` without entries whose key names a secret, and with secret-looking strings redacted."""
-    if isinstance(value, dict):
-        return {k: public_config(v) for k, v in value.items() if not _SECRET_KEY.search(str(k))}
-    if isinstance(value, (list, tuple)):
-        return [public_config(v) for v in value]
-    if isinstance(value, str):
-        return redact_text(value)[0]
-    return value
 
 
 def _clean(metrics: dict) -> dict:

@@ -101,3 +101,28 @@ def redact_json(value):
         return v
 
     return walk(value), found
+
+
+# Config keys that name a secret: api_key, admin_key, hf_token, secret, password; not
+# micro_batch_tokens or max_new_tokens.
+_SECRET_KEY = re.compile(r"(key|secret|passw(or)?d|(^|_)token)$", re.IGNORECASE)
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether config key ``key`` (its last dotted part) names a secret, whose value never leaves
+    the process (WandB's config, a run's stored ``run_config.yaml``)."""
+    return bool(_SECRET_KEY.search(key.rsplit(".", 1)[-1]))
+
+
+def public_config(value, secrets_as_null: bool = False):
+    """A config (nested dicts) fit to leave the process: secret-looking strings redacted, and every
+    entry whose key names a secret left out, or, with ``secrets_as_null``, kept with the value None
+    (so that a file still lists every key)."""
+    if isinstance(value, dict):
+        return {k: None if is_secret_key(str(k)) else public_config(v, secrets_as_null) for k, v in value.items()
+                if secrets_as_null or not is_secret_key(str(k))}
+    if isinstance(value, (list, tuple)):
+        return [public_config(v, secrets_as_null) for v in value]
+    if isinstance(value, str):
+        return redact_text(value)[0]
+    return value

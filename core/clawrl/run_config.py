@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,19 +32,13 @@ from omegaconf import OmegaConf
 
 from clawrl.config import ClawrlConfig, ConfigError, all_keys, compose
 from clawrl.errors import CliError
-from clawrl.redact import redact_text
+from clawrl.redact import is_secret_key, public_config
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "run_config.yaml"  # not config.yaml: a recipe's or the user's --config file may sit in a run dir
 HEADER = ("# clawrl: the resolved config this run started with (keys naming a secret are written as null).\n"
           "# clawrl replay and clawrl export-model read it; their command-line overrides win.\n")
-_SECRET = re.compile(r"(key|secret|passw(or)?d|(^|_)token)$", re.IGNORECASE)
-
-
-def is_secret(key: str) -> bool:
-    """Whether config key ``key`` (dotted) names a secret that is never written."""
-    return bool(_SECRET.search(key.rsplit(".", 1)[-1]))
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -58,20 +51,9 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _redacted(node: Any, prefix: str = "") -> Any:
-    if isinstance(node, dict):
-        return {k: (None if not isinstance(v, dict) and is_secret(f"{prefix}{k}") else _redacted(v, f"{prefix}{k}."))
-                for k, v in node.items()}
-    if isinstance(node, str):  # a credential pasted into another value (a URL, a path) is masked too
-        return redact_text(node)[0]
-    if isinstance(node, (list, tuple)):
-        return [_redacted(v, prefix) for v in node]
-    return node
-
-
 def config_text(cfg: ClawrlConfig) -> str:
     """``cfg`` as the YAML stored in a run directory: every key, secrets as null."""
-    data = _redacted(dataclasses.asdict(cfg))
+    data = public_config(dataclasses.asdict(cfg), secrets_as_null=True)
     return HEADER + OmegaConf.to_yaml(OmegaConf.create(data))
 
 
@@ -149,7 +131,7 @@ def compose_for_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] 
     flat = _flat(loaded)
     known = set(all_keys())
     dropped = sorted(k for k in flat if k not in known)
-    kept = {k: v for k, v in flat.items() if k in known and not is_secret(k)}
+    kept = {k: v for k, v in flat.items() if k in known and not is_secret_key(k)}
     layer = OmegaConf.create({})
     for k, v in kept.items():
         OmegaConf.update(layer, k, v, force_add=True)
