@@ -538,6 +538,10 @@ def table(results: dict) -> str:
             name = "clawrl torch trainer" + ("" if key == "torch" else f", {' '.join(d['overrides'])}")
             lines.append(f"| {name} | {d['tok_s']:.0f} | {d['mfu']:.1%} | {d['ratio_to_hf']:.2f} "
                          f"| {d['peak_mem_gib']:.1f} |")
+        meg = train.get("megatron", {})
+        if "tok_s" in meg:
+            lines.append(f"| clawrl megatron backend (1 rank; {meg['ratio_to_torch']:.2f}x the torch trainer) "
+                         f"| {meg['tok_s']:.0f} | {meg['mfu']:.1%} | {meg['ratio_to_hf']:.2f} | {meg['peak_mem_gib']:.1f} |")
     serving = [k for k in results if k == "serving" or k.startswith("serving_")]
     if serving:
         lines += ["", "| concurrent chats | gateway tok/s | engine direct tok/s | gateway / direct "

@@ -10,10 +10,18 @@ on 8 samples of 16 prompt + 2032 response tokens, the same 16384 tokens a step, 
 sample with its advantage, so that the whole objective (pi_old, PPO clip, TIS, entropy and gap
 metrics) runs; variants show what each setting costs. MFU counts what the baseline's probe counts:
 6 x parameters per token plus causal attention, against the matmul ceiling measured in the run.
+
+The megatron backend (``trainer.backend=megatron``, one rank, tp=pp=1) trains the same directory on
+the same samples in a spawned process, as ``clawrl serve`` runs its ranks; its figure is reported
+against the torch trainer's default (``train.megatron.ratio_to_torch``). Without megatron-core the
+part records why instead of a figure.
 """
 from __future__ import annotations
 
+import json
+import os
 import random
+import socket
 import statistics
 import tempfile
 import time
@@ -124,11 +132,59 @@ def clawrl_steps(model_dir: str, device: str, batch: list, steps: int, overrides
     return times, info
 
 
+def _megatron_rank(rank: int, cfg, model_dir: str, batch: list, steps: int, out: str, port: int) -> None:
+    """One megatron rank (world size 1) timing ``steps`` train steps after a warm-up, as ``timed_steps``."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    from clawrl.trainers.megatron.ranks import MegatronRanks
+
+    ranks = MegatronRanks(cfg, model_dir)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    last = {}
+
+    def step():
+        result = ranks.train_step(batch, ranks.step)
+        assert result["ok"], result
+        last.update(result["metrics"])
+    times = timed_steps(step, 1, steps)
+    Path(out).write_text(json.dumps({
+        "runs_s": times, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
+        "micro_batches": last["micro_batches"], "pi_old_from_loss_forward": ranks.pi_old_from_loss_forward,
+        "layer_spec": "transformer-engine" if ranks.te else "local"}))
+    dist.destroy_process_group()
+
+
+def megatron_steps(model_dir: str, device: str, batch: list, steps: int) -> dict:
+    """The megatron backend's step times and facts, from a spawned rank; ``{"skipped": why}`` when
+    megatron-core is not installed."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        return {"skipped": f"megatron-core is not installed ({e})"}
+    import torch.multiprocessing as mp
+    from clawrl.config import compose
+
+    cfg = compose([f"model.device={device}", "train.lr=1e-6", "trainer.backend=megatron"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "megatron.json"
+        mp.start_processes(_megatron_rank, args=(cfg, model_dir, batch, steps, str(out), port), nprocs=1,
+                           join=True, start_method="spawn")
+        return json.loads(out.read_text())
+
+
 def variants(tokens: int) -> list[tuple[str, list[str]]]:
     """(name, overrides): the default first; the others show what each setting costs."""
     return [("default", []), ("gradient_checkpointing", ["train.gradient_checkpointing=true"]),
             ("two_micro_batches", [f"train.micro_batch_tokens={tokens // 2}"]),
-            ("float32_params_autocast", ["train.param_dtype=float32"])]
+            ("float32_params_autocast", ["train.param_dtype=float32"]),
+            ("compiled", ["train.compile=on"])]
 
 
 def run_train(build_model, shape: str, device: str, save_tokenizer) -> dict:
@@ -162,5 +218,15 @@ def run_train(build_model, shape: str, device: str, save_tokenizer) -> dict:
                 "overrides": overrides, "runs_s": times, **info}
             print(f"train {name:>24}: {tokens / s:9.0f} tok/s, MFU {flops / s / 1e12 / ceiling:.1%}, "
                   f"{hf / s:.2f}x HF ({info})", flush=True)
+        meg = megatron_steps(str(model_dir), device, data, steps)
+        if "runs_s" in meg:
+            s, torch_s = statistics.median(meg["runs_s"]), out["torch"]["step_s"]
+            meg.update(tok_s=tokens / s, step_s=s, mfu=flops / s / 1e12 / ceiling, ratio_to_torch=torch_s / s,
+                       ratio_to_hf=hf / s)
+            print(f"train {'megatron backend':>24}: {tokens / s:9.0f} tok/s, MFU {meg['mfu']:.1%}, "
+                  f"{torch_s / s:.2f}x the torch trainer", flush=True)
+        else:
+            print(f"train {'megatron backend':>24}: {meg['skipped']}", flush=True)
+        out["megatron"] = meg
     print(f"train {'HF loop':>24}: {tokens / hf:9.0f} tok/s, MFU {out['hf']['mfu']:.1%}", flush=True)
     return out

@@ -49,16 +49,20 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
         assert s["commit"] and s["command"].startswith("python benchmarks/gpu_suite.py --shape tiny")
     t = res["train"]  # the trainer against the probe's HF loop, with every variant
     assert t["hf"]["tok_s"] > 0 and t["tokens_per_step"] == 4 * 64
-    for key in ("torch", "torch_gradient_checkpointing", "torch_two_micro_batches", "torch_float32_params_autocast"):
+    for key in ("torch", "torch_gradient_checkpointing", "torch_two_micro_batches", "torch_float32_params_autocast",
+                "torch_compiled"):
         assert t[key]["tok_s"] > 0 and t[key]["ratio_to_hf"] == pytest.approx(t["hf"]["step_s"] / t[key]["step_s"])
         assert t[key]["packed_attention"] and t[key]["commit"]
     assert t["torch_two_micro_batches"]["micro_batches"] == 2 and t["torch"]["micro_batches"] == 1
+    m = t["megatron"]  # the megatron backend on the same directory and samples, against the torch trainer
+    assert m["tok_s"] > 0 and m["ratio_to_torch"] == pytest.approx(t["torch"]["step_s"] / m["step_s"])
+    assert m["micro_batches"] == 1 and m["pi_old_from_loss_forward"] and m["commit"]
     s = res["sync"]  # on CPU only gloo, its staged bytes checked against the sent ones
     assert s["gloo"]["ms"] > 0 and s["cross_process_ms"] == s["gloo"]["ms"] and "ipc" not in s
     # in process, into a started engine, checked against a reference model holding the same weights
     assert s["in_process_ms"] > 0 and s["in_process"]["served_equals_reference"] == [True]
     printed = capsys.readouterr().out
-    assert "| HF loop (probe) |" in printed and "| gloo |" in printed
+    assert "| HF loop (probe) |" in printed and "| gloo |" in printed and "| clawrl megatron backend" in printed
     assert "| decode, 1 stream(s)" in printed and "| cold prefill, OpenClaw request" in printed
     assert "| 4 | " in printed  # the serving table's row for 4 chats
 

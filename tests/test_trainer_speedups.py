@@ -154,3 +154,34 @@ def test_one_pass_logprobs_and_entropy_equal_the_two_functions():
     torch.testing.assert_close(entropy, token_entropy(logits.detach().float()), atol=1e-5, rtol=0)
     lp.sum().backward()
     assert torch.isfinite(logits.grad.float()).all()
+
+
+def test_compiled_norms_and_mlp_take_the_same_step(model_dir):
+    """train.compile=on (inductor on CPU here) changes no number beyond float rounding; the parts are
+    compiled in place, so parameter names and the exported weights stay the plain model's."""
+    from clawrl.trainers import compiled_layers
+
+    samples = make_samples(400, n=4, seed=10)
+    results, weights, after = {}, {}, {}
+    for mode in ("off", "on"):
+        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.micro_batch_tokens=30", f"train.compile={mode}")
+        layers = trainer.model.config.num_hidden_layers
+        assert trainer.compiled == (0 if mode == "off" else 5 * layers)  # two norms, MLP, q/k norms (Qwen3)
+        on_policy(trainer, samples)
+        results[mode] = trainer.train_step(samples, weight_version=0)
+        assert results[mode].ok and results[mode].metrics["micro_batches"] > 1
+        weights[mode] = trainer.export_weights()
+        after[mode] = torch.tensor([lp for lps in trainer.logprobs(samples) for lp in lps])
+    for key in ("loss", "entropy", "grad_norm"):
+        assert results["on"].metrics[key] == pytest.approx(results["off"].metrics[key], rel=1e-4), key
+    assert weights["on"].keys() == weights["off"].keys()
+    # Adam's first step moves a weight by about lr * sign(g): where g is near zero, float rounding of the
+    # fused kernels may flip it, so the weights agree within 2 lr, and the policy they make within 1e-4
+    for name, w in weights["off"].items():
+        torch.testing.assert_close(weights["on"][name], w, atol=2e-3, rtol=0, msg=name)
+    torch.testing.assert_close(after["on"], after["off"], atol=1e-4, rtol=0)
+    assert not torch.allclose(after["off"], torch.tensor([lp for s in samples for lp in s.rollout_logprobs]))
+    assert compiled_layers.wanted("auto", torch.device("cpu")) is False
+    assert compiled_layers.wanted("auto", torch.device("cuda")) is True
+    with pytest.raises(ValueError, match="train.compile must be one of"):
+        compiled_layers.wanted("yes", torch.device("cpu"))

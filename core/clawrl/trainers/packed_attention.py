@@ -66,6 +66,23 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
 _varlen_ok = [True]  # until the kernel is found missing in this process
 
 
+def causal_within(query, key, value, lengths: list[int], scaling: float | None) -> torch.Tensor:
+    """Causal attention within each of the consecutive sequences of ``lengths``, for callers that
+    are not transformers models (the megatron backend's core attention): ``query`` ``[1, H, L, D]``,
+    ``key``/``value`` ``[1, H, L, D]`` (heads already matched), ``[1, L, H, D]`` out. One varlen
+    flash call on a GPU in half precision, else one SDPA ``is_causal`` call per sequence."""
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_ok[0]:
+        try:
+            return _flash_varlen(query, key, value, lengths, scaling)
+        except (RuntimeError, AttributeError) as e:
+            _varlen_ok[0] = False
+            log.info("varlen flash attention unavailable (%s): one SDPA call per sequence",
+                     str(e).splitlines()[0] if str(e) else type(e).__name__)
+    outs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+            for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))]
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
 def _flash_varlen(query, key, value, lengths: list[int], scaling: float | None) -> torch.Tensor:
     """All sequences in one call of torch's own variable-length flash attention (FlashAttention-2,
     GQA native; its backward is registered with autograd), so a micro-batch of many sequences costs

@@ -54,7 +54,7 @@ from clawrl.losses.logits import DEFAULT_CHUNK, token_logprobs_and_entropy
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
-from clawrl.trainers import packed_attention
+from clawrl.trainers import compiled_layers, packed_attention
 from clawrl.trainers.batching import MicroBatch, build_micro_batch, check_sample, pack, sample_metrics
 from clawrl.trainers.master_weights import MasterWeights
 from clawrl.trainers.objective import FullLogits, Objective, StepStats
@@ -110,6 +110,8 @@ class TorchTrainer(Trainer):
             enable(**{"activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else
                       "gradient_checkpointing_kwargs": {"use_reentrant": False}})
         model.config.use_cache = False
+        self.compiled = compiled_layers.compile_layers(model) if compiled_layers.wanted(
+            train_cfg.compile, self.device) else 0
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         # bf16 parameters step through float32 masters (master_weights explains why)

@@ -12,7 +12,13 @@ Packing: a micro-batch is one row of concatenated sequences. ``packed_forward`` 
 
 - rotary positions restart for every sequence (``position_ids``), by indexing the rotary table
   with them; ``GPTModel.forward`` would use 0..L-1 for the whole row;
-- attention gets a block-diagonal causal mask, so no sequence sees another.
+- attention runs causally within each sequence, so no sequence sees another: the sequences' bounds
+  travel as megatron's ``PackedSeqParams`` in the ``sbhd`` layout (which leaves rotary and the
+  layout alone and reaches the core attention), and ``SdpaCoreAttention`` attends one sequence
+  at a time (one varlen flash call on a GPU) instead of over the whole row under a block mask,
+  which cost O(L^2) in the row's total length and ruled out the flash kernels. Transformer-engine's
+  attention would not read those bounds, so with it the trainer packs one sample per micro-batch
+  (``MegatronRanks._batches``) and the mask path stays.
 
 Only the rows whose logits predict a response token go through the output layer, which bounds the
 ``[tokens, vocab / tp]`` logits to the trained tokens.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from clawrl.trainers import packed_attention
 from clawrl.trainers.megatron.convert import Arch
 
 
@@ -70,13 +77,19 @@ def sdpa_core_attention():
     class SdpaCoreAttention(DotProductAttention):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError("SdpaCoreAttention takes a mask, not packed_seq_params or an attention bias")
+            if attention_bias is not None:
+                raise ValueError("SdpaCoreAttention takes no attention bias")
+            if packed_seq_params is not None and packed_seq_params.qkv_format != "sbhd":
+                raise ValueError(f"SdpaCoreAttention packs in the sbhd layout, not {packed_seq_params.qkv_format}")
             seq, batch = query.shape[0], query.shape[1]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
             groups = q.shape[1] // k.shape[1]
             if groups > 1:  # a key/value head serves its group's query heads, which are contiguous
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            if packed_seq_params is not None:  # one row (batch 1) of sequences end to end
+                lengths = packed_seq_params.cu_seqlens_q.diff().tolist()
+                out = packed_attention.causal_within(q, k, v, lengths, self.softmax_scale)  # [1, s, heads, d]
+                return out.transpose(0, 1).reshape(seq, batch, -1)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
                 is_causal=attention_mask is None, scale=self.softmax_scale,
@@ -112,15 +125,29 @@ def block_causal_mask(segment: torch.Tensor) -> torch.Tensor:
 
 
 def packed_forward(gpt, input_ids: torch.Tensor, position_ids: torch.Tensor, segment: torch.Tensor,
-                   logit_rows: torch.Tensor) -> torch.Tensor:
+                   logit_rows: torch.Tensor, bounds: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
     """Hidden states ``[L, 1, H]`` on a non-last stage; on the last stage, the logits ``[T, V/tp]``
-    of ``logit_rows``. ``input_ids``/``position_ids`` are ``[1, L]``."""
+    of ``logit_rows``. ``input_ids``/``position_ids`` are ``[1, L]``; ``bounds`` are the sequences'
+    (start, end) offsets in the row. With them (and the local spec's ``SdpaCoreAttention``), each
+    sequence attends within itself; without them, through the block-diagonal mask of ``segment``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     decoder_input = gpt.embedding(input_ids=input_ids, position_ids=position_ids) if gpt.pre_process else None
     positions = position_ids[0]
     table = gpt.rotary_pos_emb(int(positions.max()) + 1)  # [max_pos, 1, 1, head_dim]
     rotary = table.index_select(0, positions.to(table.device))
-    hidden = gpt.decoder(hidden_states=decoder_input, attention_mask=block_causal_mask(segment),
-                         rotary_pos_emb=rotary)
+    if len(bounds) > 1 and not has_transformer_engine():
+        cu = torch.tensor([0, *(end for _, end in bounds)], dtype=torch.int32)
+        longest = max(end - start for start, end in bounds)
+        packing = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                  max_seqlen_kv=longest)
+        hidden = gpt.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary,
+                             packed_seq_params=packing)
+    elif len(bounds) == 1:  # one sequence: the core attention's causal path, no mask to build
+        hidden = gpt.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary)
+    else:
+        hidden = gpt.decoder(hidden_states=decoder_input, attention_mask=block_causal_mask(segment),
+                             rotary_pos_emb=rotary)
     if not gpt.post_process:
         return hidden
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None

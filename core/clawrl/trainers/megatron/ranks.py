@@ -55,9 +55,14 @@ class ShardLogits:
 
     def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, vocab_start: int, group):
         self.logits, self.temperature, self.vocab_start, self.group = logits, temperature, vocab_start, group
+        self._logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # (targets, their logprobs)
 
     def logprobs(self, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_token_logprobs(self.logits, targets, self.vocab_start, self.group)
+        """Memoised per ``targets``: pi_old taken from the loss's forward and the loss itself read
+        the same logprobs, and the pass over the ``[T, V/tp]`` logits runs once."""
+        if self._logprobs is None or self._logprobs[0] is not targets:
+            self._logprobs = (targets, vocab_parallel_token_logprobs(self.logits, targets, self.vocab_start, self.group))
+        return self._logprobs[1]
 
     def entropy(self) -> torch.Tensor:
         return vocab_parallel_token_entropy(self.logits, self.group)
@@ -125,6 +130,10 @@ class MegatronRanks:
         if self.objective.needs_reference:
             # Full fine-tuning moves every weight: the KL reference is a frozen copy of the start.
             self.ref_gpt = self._load_gpt(model_path).eval().requires_grad_(False)
+        # As in the torch trainer: one optimizer step per train step and no dropout (the config sets
+        # none), so the weights that compute pi_old are those the loss's forward runs; without a KL
+        # reference that needs its own pass anyway, pi_old is that forward's detached logprobs.
+        self.pi_old_from_loss_forward = self.ref_gpt is None
         self.model, self.optimizer = self._wrap_for_training(self.gpt)
         self.vocab_start = self.tp_rank * (self.arch.vocab // self.tp)
         self.coords = self._all_coords()
@@ -212,7 +221,7 @@ class MegatronRanks:
         def step(data_iterator, module):
             mb = next(data_iterator)
             gpt = module.module if hasattr(module, "module") else module
-            out = packed_forward(gpt, mb.input_ids, mb.position_ids, mb.segment, mb.logit_rows)
+            out = packed_forward(gpt, mb.input_ids, mb.position_ids, mb.segment, mb.logit_rows, mb.bounds)
             if not self.last_stage:
                 return out, None
             return out, lambda logits: loss_fn(logits, mb)
@@ -278,21 +287,25 @@ class MegatronRanks:
         mine = per_rank[self.dp_rank] or [self._idle_batch(everything[0])]
         trained = float(sum(float(mb.loss_mask.sum()) for mb in everything))
 
-        # pi_old (and the reference) on the last stage, before any gradient.
+        # pi_old (and the reference) on the last stage, before any gradient: from their own no-grad
+        # pass, or (pi_old_from_loss_forward) from the loss's forward of each micro-batch below.
+        def old_info(ops: ShardLogits, mb: MicroBatch) -> dict:
+            old = ops.logprobs(mb.targets).detach()
+            with torch.no_grad():
+                return {"old": old, "entropy_sum": float((ops.entropy() * mb.loss_mask).sum()),
+                        "gap": float(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())}
+
+        old_infos: list[dict] = []
         self.model.eval()
-
-        def old_pass(logits, mb):
-            ops = ShardLogits(self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group)
-            old = ops.logprobs(mb.targets)
-            return logits.sum() * 0, {"old": old, "entropy_sum": float((ops.entropy() * mb.loss_mask).sum()),
-                                      "gap": float(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())}
-
         with torch.no_grad():
-            old_infos = self._run(self.model, mine, old_pass, forward_only=True)
+            if not self.pi_old_from_loss_forward:
+                old_infos = self._run(self.model, mine, lambda logits, mb: (logits.sum() * 0, old_info(ShardLogits(
+                    self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group), mb)),
+                    forward_only=True)
             ref_infos = (self._run(self.ref_gpt, mine, lambda logits, mb: (logits.sum() * 0, {"old": ShardLogits(
                 self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group).logprobs(mb.targets)}),
                 forward_only=True) if self.ref_gpt is not None else [])
-        olds = [i["old"] for i in old_infos]
+        olds = [i["old"] for i in old_infos] or [None] * len(mine)
         refs = [i["old"] for i in ref_infos] or [None] * len(olds)
 
         self.model.train()
@@ -305,7 +318,11 @@ class MegatronRanks:
         def train_pass(logits, mb):
             k = next(position)
             ops = ShardLogits(self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group)
-            loss, sums = self.objective.loss(ops, mb, olds[k], refs[k], denominator)
+            old = olds[k]
+            if old is None:  # pi_old is this forward's own logprobs, detached
+                old_infos.append(old_info(ops, mb))
+                old = old_infos[-1]["old"]
+            loss, sums = self.objective.loss(ops, mb, old, refs[k], denominator)
             stats.add(float(loss.detach()), sums)
             return loss * scale, {}
 
