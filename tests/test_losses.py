@@ -8,7 +8,7 @@ import torch
 from clawrl.losses import (
     PolicyLossConfig, RunningBaseline, aggregate, aggregation_denominator, baseline_advantage,
     broadcast_to_tokens, group_advantages, icepop_mask, kl_penalty, mismatch_weights, policy_loss,
-    ppo_clip_loss, tis_weights, token_entropy, token_logprobs,
+    ppo_clip_loss, tis_weights, token_entropy, token_logprobs, weighted_nll,
 )
 
 D = torch.float64
@@ -383,3 +383,21 @@ def test_micro_batch_split_gives_identical_loss_and_gradients(aggregation, norm)
     # the same split with per-micro-batch denominators (a mean of means) is not the full-batch loss
     local_loss, _ = run_micro_batches(batch, cfg, SPLITS[2], use_global_denominator=False)
     assert abs(local_loss - full_loss) > 1e-3
+
+
+def test_weighted_nll_gradient_is_minus_weight_over_denominator_even_for_a_near_impossible_token():
+    # opd.hinted_sample's term: no importance weight, so a token at logprob -12 gets the full gradient
+    lp = torch.tensor([-12.0, -0.5, -3.0, float("-inf")], requires_grad=True)
+    weights = torch.tensor([1.0, 0.5, 0.0, 0.0])  # the last two take no part (an -inf one must not leak)
+    cu = torch.tensor([0, 2, 4])
+    loss, nll = weighted_nll(lp, weights, cu, "token-mean", global_denominator=4.0)
+    assert float(loss) == pytest.approx((12.0 + 0.25) / 4.0)
+    loss.backward()
+    assert lp.grad.tolist() == pytest.approx([-0.25, -0.125, 0.0, 0.0])
+    assert nll[:3].tolist() == pytest.approx([12.0, 0.5, 3.0])
+    own, _ = weighted_nll(lp.detach(), weights, cu, "token-mean")  # its own denominator: 2 tokens take part
+    assert float(own) == pytest.approx(12.25 / 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        weighted_nll(lp.detach(), -weights, cu)
+    with pytest.raises(ValueError, match=r"\[T\]"):
+        weighted_nll(lp.detach(), weights[:3], cu)

@@ -126,3 +126,69 @@ def test_rl_method_ignores_teacher_signal(model_dir):
     samples = combine_batch(trainer)[:2]
     result = trainer.train_step(samples, weight_version=0)
     assert result.metrics["samples_rl_only"] == 2 and result.metrics["opd_tokens"] == 0
+
+
+def hinted_probe(s: Sample, ids: list[int]) -> Sample:
+    """The hinted reply as a sample of its own under ``s``'s prompt, to read its logprobs."""
+    return Sample(sample_id=99, turn_id=99, group_id="probe", prompt_ids=s.prompt_ids, response_ids=ids,
+                  rollout_logprobs=[0.0] * len(ids), weight_versions=[0] * len(ids), reward=0.0, advantage=0.0)
+
+
+@pytest.mark.parametrize("method", ["opd", "combine"])
+def test_hinted_sample_raises_a_reply_the_student_does_not_sample_under_its_own_prompt(model_dir, method):
+    # opd.hinted_sample: the teacher's own reply under the hint trains with token NLL under the student's
+    # prompt -- the student's logprob of that reply rises, though no advantage of its own tokens says so
+    trainer = trainer_for(model_dir, f"method={method}", "opd.hinted_sample=true", "train.lr=3e-3")
+    [s] = on_policy(trainer, make_samples(trainer.vocab_size, n=1, advantage=0.0))
+    s.rl_signal = False
+    n = len(s.response_ids)
+    hinted = [t for t in range(3, 3 + 6) if t not in s.response_ids][:4]
+    with_teacher(s, [0.0] * n)  # A_opd = 0: only the hinted NLL moves the hinted reply
+    s.teacher = TeacherSignal(**{**s.teacher.__dict__, "hinted_ids": hinted, "hinted_weight": 1.0})
+    probe = hinted_probe(s, hinted)
+    before = sum(trainer.logprobs([probe])[0])
+    own_before = trainer.logprobs([s])[0]
+    result = trainer.train_step([s], weight_version=0)
+    assert result.ok, result.skipped_reason
+    m = result.metrics
+    assert m["hinted_tokens"] == len(hinted) and m["hinted_nll"] == pytest.approx(-before / len(hinted), rel=1e-3)
+    assert m["trained_tokens"] == n  # the hinted reply is not in the policy loss
+    assert sum(trainer.logprobs([probe])[0]) > before + 0.5
+    assert len(trainer.logprobs([s])[0]) == len(own_before)  # logprobs are the samples' own, not the hinted reply's
+
+
+def test_hinted_weight_scales_the_nll_and_a_zero_coef_or_no_hinted_reply_leaves_it_alone(model_dir):
+    moved = {}
+    for name, overrides, weight in (("full", [], 1.0), ("half", [], 0.5), ("coef0", ["opd.hinted_coef=0"], 1.0),
+                                    ("weight0", [], 0.0)):
+        trainer = trainer_for(model_dir, "method=opd", "opd.hinted_sample=true", "train.lr=1e-3", *overrides)
+        [s] = on_policy(trainer, make_samples(trainer.vocab_size, n=1, advantage=0.0, seed=3))
+        s.rl_signal = False
+        with_teacher(s, [0.0] * len(s.response_ids))
+        hinted = [t for t in range(3, 9) if t not in s.response_ids][:3]
+        s.teacher = TeacherSignal(**{**s.teacher.__dict__, "hinted_ids": hinted, "hinted_weight": weight})
+        probe = hinted_probe(s, hinted)
+        before = sum(trainer.logprobs([probe])[0])
+        result = trainer.train_step([s], weight_version=0)
+        assert result.ok
+        moved[name] = (sum(trainer.logprobs([probe])[0]) - before, result.metrics.get("hinted_tokens", 0.0))
+    assert moved["full"][0] > 0.05 and moved["half"][0] > 0.02
+    assert moved["full"][1] == moved["half"][1] == 3
+    assert abs(moved["coef0"][0]) < 0.02 and abs(moved["weight0"][0]) < 0.02  # only A_opd = 0 trained
+    assert moved["weight0"][1] == 0.0
+
+
+def test_combine_with_both_weights_zero_trains_the_hinted_replies_alone(model_dir):
+    with pytest.raises(ConfigError, match="or opd.hinted_sample=true"):
+        trainer_for(model_dir, "method=combine", "combine.w_rl=0", "combine.w_opd=0")
+    trainer = trainer_for(model_dir, "method=combine", "combine.w_rl=0", "combine.w_opd=0",
+                          "opd.hinted_sample=true", "train.lr=3e-3")
+    [s] = on_policy(trainer, make_samples(trainer.vocab_size, n=1, advantage=1.0))
+    with_teacher(s, [1.0] * len(s.response_ids))
+    hinted = [t for t in range(3, 9) if t not in s.response_ids][:3]
+    s.teacher = TeacherSignal(**{**s.teacher.__dict__, "hinted_ids": hinted, "hinted_weight": 1.0})
+    before = sum(trainer.logprobs([hinted_probe(s, hinted)])[0])
+    result = trainer.train_step([s], weight_version=0)
+    assert result.ok, result.skipped_reason  # no policy-loss token, yet the step trains
+    assert result.metrics["trained_tokens"] == 0 and result.metrics["hinted_tokens"] == 3
+    assert sum(trainer.logprobs([hinted_probe(s, hinted)])[0]) > before + 0.5

@@ -14,7 +14,8 @@ from clawrl.judges.base import JudgeInput
 from clawrl.judges.hints import HintJudge, HintVerdict, HintVote, RulesHintJudge
 from clawrl.samples import Sample
 from clawrl.store import TurnStore
-from clawrl.methods.opd.teacher import OpdStore, TeacherWorker, hint_tag, hinted_messages, teacher_prompt_ids
+from clawrl.methods.opd.teacher import (OpdStore, TeacherWorker, acceptance, hint_tag, hinted_messages,
+                                        teacher_prompt_ids)
 from engine_testing import make_model_dir
 from test_buffer import SYSTEM, Chat, assistant, user
 from test_judges import CannedEngine
@@ -233,3 +234,44 @@ def test_a_second_verdict_for_a_judged_turn_is_ignored(store, model):
     assert opd.record_hint(t1, HintVerdict(False, "", "no_hindsight", [], "rules"))
     assert not opd.record_hint(t1, HintVerdict(True, "Be brief.", "accepted", [], "rules", 1.0))
     assert opd.get(t1)["state"] == "rejected"
+
+
+def test_hinted_sample_is_the_teachers_own_reply_under_the_hint_stored_with_the_score(store, model):
+    # opd.hinted_sample: the worker also samples under the hinted prompt and stores the ids as sampled,
+    # in the same row as the scores; attach hands them out, weighted by the hint judge's acceptance
+    tok = model.tokenizer
+    t1 = served(store, tok, "Too long. One line, please.")
+    assert run_worker(store, TorchEngine(model, EngineConfig()), hinted_sample=True, hinted_temperature=0.0,
+                      hinted_max_tokens=6) == 1
+    rec = OpdStore(store).get(t1)
+    assert rec["state"] == "scored" and rec["hinted_temperature"] == 0.0 and rec["acceptance"] == 1.0
+
+    async def greedy():
+        engine = TorchEngine(model, EngineConfig())
+        await engine.start()
+        try:
+            from clawrl.engines.base import SamplingParams
+            return await engine.generate(rec["teacher_prompt_ids"], SamplingParams(max_new_tokens=6, temperature=0))
+        finally:
+            await engine.shutdown()
+
+    expected = asyncio.run(greedy())
+    assert rec["hinted_ids"] == expected.token_ids and 1 <= len(rec["hinted_ids"]) <= 6
+    assert rec["hinted_logprobs"] == pytest.approx(expected.logprobs, abs=1e-6)
+    n = len(OpdStore(store).turn(t1)["response_ids"])
+    s = Sample(1, t1, "g", [], [1] * n, [0.0] * n, [0] * n, 0.0, 0.0)
+    assert OpdStore(store).attach([s], hinted=True) == 1
+    assert s.teacher.hinted_ids == expected.token_ids and s.teacher.hinted_weight == 1.0
+    OpdStore(store).attach([s])  # opd.hinted_sample off (e.g. a replay's override): no hinted reply
+    assert s.teacher.hinted_ids is None and s.teacher.hinted_weight == 0.0
+
+
+def test_without_hinted_sample_no_reply_is_sampled_and_acceptance_counts_every_vote(store, model):
+    tok = model.tokenizer
+    t1 = served(store, tok, "Too long. One line, please.")
+    engine = CountingEngine(tok)
+    run_worker(store, engine)
+    rec = OpdStore(store).get(t1)
+    assert rec["state"] == "scored" and rec["hinted_ids"] is None and rec["hinted_logprobs"] is None
+    assert acceptance([{"accept": True}, {"accept": True}, {"accept": False}, {"accept": None}]) == 0.5
+    assert acceptance([]) == 0.0

@@ -294,6 +294,15 @@ class OpdConfig:
                           choices=("reverse", "forward"))
     adv_clip: float = option(5.0, "|teacher - student| logprob gap is clipped to this, so one near-impossible "
                              "token cannot dominate.", gt=0)
+    hinted_sample: bool = option(False, "Also sample a reply from the teacher under the hinted prompt and train the "
+                                 "student on those sampled tokens under the original prompt (token NLL weighted by "
+                                 "the hint judge's acceptance, times hinted_coef): learns what the policy never "
+                                 "samples without the hint, which token advantages cannot. method=opd or combine.")
+    hinted_coef: float = option(1.0, "Weight of the hinted-sample NLL term (opd.hinted_sample).", ge=0)
+    hinted_temperature: float = option(1.0, "Sampling temperature of the reply under the hinted prompt "
+                                       "(opd.hinted_sample); 0: greedy.", ge=0)
+    hinted_max_tokens: int = option(256, "Most tokens of the reply sampled under the hinted prompt "
+                                    "(opd.hinted_sample).", ge=1)
 
 
 @dataclass(frozen=True)
@@ -540,9 +549,11 @@ def _cross_problems(cfg: ClawrlConfig) -> list[tuple[str, str]]:
     if c.control_port and c.control_port == c.sync_port:
         out.append(("cluster.sync_port", f"cluster.control_port={c.control_port} and cluster.sync_port="
                     f"{c.sync_port}: must differ (0 for either: derived from MASTER_PORT)"))
-    if cfg.method == "combine" and cfg.combine.w_rl == 0 and cfg.combine.w_opd == 0:
+    hinted = cfg.opd.hinted_sample and cfg.opd.hinted_coef > 0  # the hinted replies' NLL trains on its own
+    if cfg.method == "combine" and cfg.combine.w_rl == 0 and cfg.combine.w_opd == 0 and not hinted:
         out.append(("combine.w_rl", f"combine.w_rl={_num(cfg.combine.w_rl)} and combine.w_opd="
-                    f"{_num(cfg.combine.w_opd)}: method=combine needs at least one weight > 0 (nothing would train)"))
+                    f"{_num(cfg.combine.w_opd)}: method=combine needs at least one weight > 0, or "
+                    "opd.hinted_sample=true (nothing would train)"))
     t = cfg.train
     if t.max_batch_size is not None and t.max_batch_size < t.batch_size:
         out.append(("train.max_batch_size", f"train.max_batch_size={t.max_batch_size} and train.batch_size="

@@ -23,6 +23,11 @@ class TeacherSignal:
     hint: str = ""  # the hint the teacher was given
     teacher: str = "policy"  # opd.teacher when it scored: policy or a model path
     weight_version: int = 0  # the teacher's weight version when it scored
+    # opd.hinted_sample: the teacher's own reply sampled under the hinted prompt (token ids as sampled),
+    # which the student trains on under its original prompt with token NLL times ``hinted_weight`` (the
+    # hint judge's acceptance: the share of its votes that accepted); None without one
+    hinted_ids: list[int] | None = None
+    hinted_weight: float = 0.0
 
 
 # Where a sample comes from: a served chat turn, a whole episode (env.sample_mode=trajectory) or one

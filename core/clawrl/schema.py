@@ -302,4 +302,10 @@ OPD = TableSet("OPD", "opd_schema_version", (
     );
     CREATE INDEX opd_hints_by_state ON opd_hints (state, turn_id);
     """,
+    # version 2: the teacher's own reply under the hinted prompt (opd.hinted_sample)
+    """
+    ALTER TABLE opd_hints ADD COLUMN hinted_ids BLOB;
+    ALTER TABLE opd_hints ADD COLUMN hinted_logprobs BLOB;
+    ALTER TABLE opd_hints ADD COLUMN hinted_temperature REAL
+    """,
 ))

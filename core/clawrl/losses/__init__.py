@@ -9,7 +9,8 @@ from clawrl.losses.advantages import GROUP_MODES, RunningBaseline, baseline_adva
 from clawrl.losses.aggregate import (AGGREGATION_MODES, aggregate, aggregation_denominator, masked_mean,
                                      token_weights)
 from clawrl.losses.correction import icepop_mask, mismatch_weights, tis_weights
-from clawrl.losses.distill import topk_distill_loss, topk_forward_kl, topk_logprobs, topk_reverse_kl
+from clawrl.losses.distill import (topk_distill_loss, topk_forward_kl, topk_logprobs, topk_reverse_kl,
+                                   weighted_nll)
 from clawrl.losses.kl import KL_ESTIMATORS, kl_penalty
 from clawrl.losses.logits import token_entropy, token_logprobs
 from clawrl.losses.opd import combine_advantages, opd_advantages
@@ -26,5 +27,5 @@ __all__ = [
     "mismatch_weights", "opd_advantages", "per_seq_sum", "policy_loss", "ppo_clip_loss", "seq_lengths",
     "tis_weights", "token_entropy", "token_logprobs", "token_weights", "topk_distill_loss",
     "topk_forward_kl", "topk_logprobs", "topk_reverse_kl", "vocab_parallel_token_entropy",
-    "vocab_parallel_token_logprobs", "vocab_parallel_topk_logprobs",
+    "vocab_parallel_token_logprobs", "vocab_parallel_topk_logprobs", "weighted_nll",
 ]

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from clawrl.losses.aggregate import aggregate
+
 # A bin the teacher gives zero mass (its top-k covers everything) would make the reverse KL
 # infinite wherever the student puts any mass there; the tail is floored at this probability.
 MIN_TAIL_LOGPROB = math.log(1e-8)
@@ -134,3 +136,26 @@ def topk_distill_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tens
                          f"{tuple(teacher_topk_logprobs.shape)} must have equal shapes")
     student = topk_logprobs(student_logits, teacher_topk_ids, temperature, chunk_size)
     return topk_reverse_kl(student, teacher_topk_logprobs)
+
+
+def weighted_nll(logprobs: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor, mode: str = "token-mean",
+                 global_denominator: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token NLL of given tokens, each weighted: ``(loss, per-token nll)``.
+
+    ``logprobs`` ``[T]``: the student's logprobs of the tokens (a teacher's own sampled reply, under
+    the student's prompt); ``weights`` ``[T]`` >= 0, 0 where a token does not take part (e.g. the
+    hint judge's acceptance on a hinted reply's tokens). The loss is ``sum_t -logprob_t * weights_t *
+    w_t / global_denominator`` with ``w_t`` the aggregation weight of ``mode`` over the tokens whose
+    weight is > 0 (``clawrl.losses.aggregate``). No importance weight against the student: for a
+    token the student gives ~e^-12 such a weight would zero the gradient, while the NLL's gradient
+    grows as the token's probability shrinks.
+    """
+    if logprobs.shape != weights.shape or logprobs.dim() != 1:
+        raise ValueError(f"logprobs and weights must both be [T]; got {tuple(logprobs.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if bool((weights < 0).any()):
+        raise ValueError("weights must be >= 0")
+    nll = -logprobs
+    mask = (weights > 0).to(logprobs.dtype)
+    weighted = torch.where(weights > 0, nll * weights.to(nll.dtype), torch.zeros_like(nll))
+    return aggregate(weighted, mask, cu_seqlens, mode, global_denominator=global_denominator), nll.detach()

@@ -42,6 +42,10 @@ class MicroBatch:
     topk_logprobs: torch.Tensor | None = None  # [T, K]
     topk_mask: torch.Tensor | None = None  # [T] 1 where the teacher's top-k is present
     bounds: tuple[tuple[int, int], ...] = ()  # (start, end) of each sequence in the row, host-side
+    # [T] opd.hinted_sample: the hint's acceptance on the tokens of a teacher's reply under the hinted
+    # prompt (their own sequences, after the samples'), 0 elsewhere; None when the batch has none
+    hinted_weight: torch.Tensor | None = None
+    num_samples: int = 0  # the first num_samples sequences are the samples' own, in order
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +61,9 @@ def pack(samples: list[Sample], max_tokens: int) -> list[list[int]]:
     used = 0
     for i, s in enumerate(samples):
         n = len(s.prompt_ids) + len(s.response_ids)
+        hinted = hinted_sequence(s)
+        if hinted is not None:  # packed beside the sample (build_micro_batch)
+            n += len(s.prompt_ids) + len(hinted[0])
         if groups and used + n <= max_tokens:
             groups[-1].append(i)
             used += n
@@ -109,24 +116,42 @@ def teacher_signal(s: Sample, topk: int) -> tuple[list[float] | None, list | Non
     return teacher, ids, lps
 
 
+def hinted_sequence(s: Sample) -> tuple[list[int], float] | None:
+    """(token ids, weight) of the teacher's reply under the hinted prompt that ``s`` trains on with
+    token NLL under its own prompt (``opd.hinted_sample``), or None."""
+    t = s.teacher
+    if t is None or not t.hinted_ids or not t.hinted_weight > 0:
+        return None
+    return [int(x) for x in t.hinted_ids], float(t.hinted_weight)
+
+
 def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0) -> MicroBatch:
+    """Packs ``samples`` in order; then, for each that carries a hinted reply (``hinted_sequence``),
+    one more sequence of its prompt and that reply, whose tokens train only through the hinted NLL
+    term (``hinted_weight`` > 0, ``loss_mask`` 0). ``cu_seqlens``' first ``len(samples)`` sequences
+    are the samples'."""
     ids, pos, seg, rows, targets, temps, adv, mask, rollout, cu = [], [], [], [], [], [], [], [], [], [0]
     bounds = []
-    has_rl, has_opd, teacher, top_ids, top_lps, top_mask = [], [], [], [], [], []
-    for k, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
+    has_rl, has_opd, teacher, top_ids, top_lps, top_mask, hinted_w = [], [], [], [], [], [], []
+
+    def add(prompt: list[int], response: list[int]) -> int:
+        p, r = len(prompt), len(response)
         start = len(ids)
         bounds.append((start, start + p + r))
-        ids += [int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids]
-        pos += range(p + r)
-        seg += [k] * (p + r)
-        rows += range(start + p - 1, start + p + r - 1)  # logits at t predict token t + 1
-        targets += [int(t) for t in s.response_ids]
+        ids.extend([int(t) for t in prompt] + [int(t) for t in response])
+        pos.extend(range(p + r))
+        seg.extend([len(bounds) - 1] * (p + r))
+        rows.extend(range(start + p - 1, start + p + r - 1))  # logits at t predict token t + 1
+        targets.extend(int(t) for t in response)
+        cu.append(cu[-1] + r)
+        return r
+
+    for s in samples:
+        r = add(s.prompt_ids, s.response_ids)
         temps += [sample_temperature(s)] * r
         adv += [float(s.advantage)] * r
         mask += [1.0] * r if s.loss_mask is None else [float(m) for m in s.loss_mask]
         rollout += [float(x) for x in s.rollout_logprobs]
-        cu.append(cu[-1] + r)
         lps, k_ids, k_lps = teacher_signal(s, topk)
         has_rl += [s.rl_signal] * r
         has_opd += [lps is not None] * r
@@ -134,6 +159,24 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         top_ids += k_ids if k_ids is not None else [[0] * topk] * r
         top_lps += k_lps if k_lps is not None else [[0.0] * topk] * r
         top_mask += [float(k_ids is not None)] * r
+        hinted_w += [0.0] * r
+    for s in samples:
+        hinted = hinted_sequence(s)
+        if hinted is None:
+            continue
+        r = add(s.prompt_ids, hinted[0])
+        # no policy-gradient signal on these tokens: they are not the student's own sample
+        temps += [1.0] * r
+        adv += [0.0] * r
+        mask += [0.0] * r
+        rollout += [0.0] * r
+        has_rl += [False] * r
+        has_opd += [False] * r
+        teacher += [math.nan] * r
+        top_ids += [[0] * topk] * r
+        top_lps += [[0.0] * topk] * r
+        top_mask += [0.0] * r
+        hinted_w += [hinted[1]] * r
 
     def t(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -145,7 +188,16 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         has_rl=t(has_rl, torch.bool), has_opd=t(has_opd, torch.bool), teacher_logprobs=t(teacher),
         topk_ids=t(top_ids, torch.long) if topk > 0 else None, topk_logprobs=t(top_lps) if topk > 0 else None,
         topk_mask=t(top_mask) if topk > 0 else None, bounds=tuple(bounds),
+        hinted_weight=t(hinted_w) if any(hinted_w) else None, num_samples=len(samples),
     )
+
+
+def trained_mask(mb: MicroBatch) -> torch.Tensor:
+    """[T] 1 on every token the step trains: the policy loss's (``loss_mask``) and a hinted reply's
+    (``hinted_weight`` > 0); what the step's aggregation denominator counts."""
+    if mb.hinted_weight is None:
+        return mb.loss_mask
+    return mb.loss_mask + (mb.hinted_weight > 0).to(mb.loss_mask.dtype)
 
 
 def sample_metrics(samples: list[Sample], weight_version: int, batches: list[MicroBatch]) -> dict:

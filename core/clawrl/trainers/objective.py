@@ -16,7 +16,7 @@ import torch
 
 from clawrl.config import ClawrlConfig
 from clawrl.losses import (PolicyLossConfig, aggregate, kl_penalty, policy_loss, token_entropy, token_logprobs,
-                           topk_forward_kl, topk_logprobs, topk_reverse_kl)
+                           topk_forward_kl, topk_logprobs, topk_reverse_kl, weighted_nll)
 from clawrl.trainers.base import TrainerError
 from clawrl.trainers.batching import MicroBatch
 
@@ -73,6 +73,7 @@ class Objective:
         if opd_cfg.topk_kl not in TOPK_KL:
             raise TrainerError(f"opd.topk_kl must be one of {', '.join(TOPK_KL)}, not {opd_cfg.topk_kl!r}")
         self.topk_kl = opd_cfg.topk_kl
+        self.hinted_coef = opd_cfg.hinted_coef  # opd.hinted_sample's NLL term (MicroBatch.hinted_weight)
 
     @property
     def needs_reference(self) -> bool:
@@ -99,6 +100,14 @@ class Objective:
                                                      global_denominator=denominator)
             sums["topk_kl_sum"] = float((kl.detach() * distill_mask).sum())
             sums["topk_tokens"] = float(distill_mask.sum())
+        if mb.hinted_weight is not None and self.hinted_coef > 0:
+            # a teacher's reply under the hinted prompt, trained under the student's prompt (opd.hinted_sample);
+            # same denominator as the policy loss, so the term weighs per token like the rest of the step
+            nll_loss, nll = weighted_nll(lp, mb.hinted_weight, mb.cu_seqlens, mode, global_denominator=denominator)
+            loss = loss + self.hinted_coef * nll_loss
+            hinted_mask = (mb.hinted_weight > 0).to(nll.dtype)
+            sums["hinted_nll_sum"] = float((nll * hinted_mask).sum())
+            sums["hinted_tokens"] = float(hinted_mask.sum())
         weight = float(m["trained_tokens"])
         for k, v in m.items():
             if k == "pg_loss":
@@ -127,10 +136,14 @@ class StepStats:
         sums = dict(self.sums)
         out: dict[str, float] = {}
         topk_kl, topk_tokens = sums.pop("topk_kl_sum", None), sums.pop("topk_tokens", 0.0)
+        hinted_nll, hinted_tokens = sums.pop("hinted_nll_sum", None), sums.pop("hinted_tokens", 0.0)
         for k, v in sums.items():
             out[k] = v if k == "pg_loss" else v / max(trained, 1.0)
         if topk_kl is not None:
             out["topk_kl"] = topk_kl / max(topk_tokens, 1.0)
+        if hinted_nll is not None:  # mean NLL of the hinted replies' tokens (opd.hinted_sample)
+            out["hinted_nll"] = hinted_nll / max(hinted_tokens, 1.0)
+            out["hinted_tokens"] = hinted_tokens
         if "rollout_logprob_abs_gap" in out:
             out["rollout_logprob_gap_mean"] = out.pop("rollout_logprob_abs_gap")
         out["loss"] = self.loss

@@ -55,7 +55,8 @@ from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
 from clawrl.trainers import compiled_layers, packed_attention
-from clawrl.trainers.batching import MicroBatch, build_micro_batch, check_sample, pack, sample_metrics
+from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
+                                     trained_mask)
 from clawrl.trainers.master_weights import MasterWeights
 from clawrl.trainers.objective import FullLogits, Objective, StepStats
 
@@ -204,7 +205,8 @@ class TorchTrainer(Trainer):
                     mb = build_micro_batch([samples[i] for i in group], self.device)
                     lps = token_logprobs(self._logits(self.model, mb), mb.targets, chunk_size=DEFAULT_CHUNK).tolist()
                     cu = mb.cu_seqlens.tolist()
-                    out += [lps[a:b] for a, b in zip(cu[:-1], cu[1:])]
+                    # the samples' own sequences come first (a hinted reply's sequence follows them)
+                    out += [lps[a:b] for a, b in zip(cu[:-1], cu[1:])][:mb.num_samples]
             return out
 
     # ---------------------------------------------------------------- the step
@@ -226,7 +228,7 @@ class TorchTrainer(Trainer):
                    for g in pack(samples, train_cfg.micro_batch_tokens)]
         method_metrics = self.method.advantages(batches)
         metrics = {**sample_metrics(samples, weight_version, batches), **method_metrics}
-        denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in batches)
+        denominator = sum(aggregation_denominator(trained_mask(mb), mb.cu_seqlens, mode) for mb in batches)
         if denominator <= 0:
             return StepResult(False, metrics, "no_trainable_tokens")
 

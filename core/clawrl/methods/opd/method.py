@@ -13,7 +13,10 @@ no reward judge runs, so a sample is ready once scored and skipped with the hint
 otherwise. After the learner takes a batch, ``attach`` puts each scored turn's teacher signal on its
 sample (``Sample.teacher``), and the per-token advantage is the teacher's logprob gap
 (``clawrl.methods.signals``); with ``opd.topk > 0`` and ``opd.topk_coef > 0`` the objective adds a
-top-k KL between the student and the teacher's top-k (``clawrl.trainers.objective``).
+top-k KL between the student and the teacher's top-k (``clawrl.trainers.objective``). With
+``opd.hinted_sample`` the teacher also samples its own reply under the hinted prompt, and the student
+trains on those tokens under the original prompt with token NLL weighted by the hint's acceptance
+(``opd.hinted_coef``): the way to learn a behaviour the policy never samples without the hint.
 """
 from __future__ import annotations
 
@@ -76,8 +79,10 @@ class OnPolicyDistillation(Method):
         teacher = self.teacher_engine or engine
         self.worker = TeacherWorker(self.opd, make_hint_judge(opd_cfg, self.judge_engine), teacher, opd_cfg,
                                     tokenizer=getattr(engine, "tokenizer", None), timeout_s=cfg.judge.timeout_s)
-        log.info("OPD: %s hint judge, teacher %s, top-k %d", opd_cfg.hint_judge,
-                 "= the serving policy" if teacher is engine else opd_cfg.teacher, opd_cfg.topk)
+        log.info("OPD: %s hint judge, teacher %s, top-k %d%s", opd_cfg.hint_judge,
+                 "= the serving policy" if teacher is engine else opd_cfg.teacher, opd_cfg.topk,
+                 f"; the teacher's own reply under each hint trains with NLL x {opd_cfg.hinted_coef:g}"
+                 if opd_cfg.hinted_sample else "")
         engines = list(dict.fromkeys(e for e in (self.teacher_engine, self.judge_engine) if e is not None))
         return SignalWorkers(engines, [self.worker, gate])
 
@@ -88,7 +93,7 @@ class OnPolicyDistillation(Method):
     def attach(self, samples: list[Sample]) -> None:
         """``Sample.teacher`` for every sample of the batch whose teacher outcome is ``scored`` (one
         resolved ``timeout`` trains RL-only, even if its teacher answered later)."""
-        self.opd.attach([s for s in samples if s.extra.get("opd_state") == "scored"])
+        self.opd.attach([s for s in samples if s.extra.get("opd_state") == "scored"], hinted=self.cfg.opd.hinted_sample)
 
     def status(self) -> dict:
         """No reward judge (``judge``), and the ``opd`` part of ``/admin/status``: hints accepted and

@@ -11,6 +11,12 @@ For every closed main turn that could train (the same turns the rollout buffer s
    the exact logprob of each *stored* response id after that prompt (``Engine.score``), plus its
    top-k ids and logprobs when ``opd.topk > 0``. The response ids are never re-tokenised: the
    hinted prompt is a new prompt, the response is the one that was sampled.
+3. with ``opd.hinted_sample``, also samples the teacher's own reply under the hinted prompt
+   (``Engine.generate``, ``opd.hinted_temperature``) and stores its token ids and logprobs as
+   sampled. The student trains on those ids under its *original* prompt with token NLL weighted by
+   the hint judge's acceptance (``clawrl.trainers.objective``): a behaviour the policy gives
+   probability ~e^-12 without the hint is then learned from the hinted policy's own tokens, where an
+   advantage on the student's sampled tokens (or an importance weight against the student) cannot.
 
 Results are durable rows keyed by turn id, so a restart neither re-judges nor re-scores a turn
 (an accepted but unscored turn is scored after a restart). Each row records the teacher
@@ -41,11 +47,12 @@ import copy
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Iterable, Optional, Sequence
 
 from clawrl.buffer import turn_skip_reason
 from clawrl.config import OpdConfig
-from clawrl.engines.base import ContextLengthExceeded, Engine, ScoreResult
+from clawrl.engines.base import ROLLOUT_PRIORITY, ContextLengthExceeded, Engine, GenerateResult, SamplingParams, ScoreResult
 from clawrl.judges.base import JudgeInput
 from clawrl.judges.hints import HintJudge, HintVerdict
 from clawrl.samples import Sample, TeacherSignal
@@ -91,6 +98,12 @@ def hinted_messages(messages: Sequence[dict], history_len: int, hint: str) -> li
     else:
         out[index]["content"] = f"{content or ''} {tag}".lstrip()
     return out
+
+
+def acceptance(votes: Sequence[dict]) -> float:
+    """The hint judge's acceptance of its hint: the share of all votes cast that accepted (1.0 for the
+    rules judge's one vote; garbage votes count against, as in ``choose_hint``)."""
+    return sum(1 for v in votes if v.get("accept") is True) / len(votes) if votes else 0.0
 
 
 def _render(tokenizer, messages: list, tools: Optional[list]) -> list[int]:
@@ -193,17 +206,22 @@ class OpdStore:
                 "prompt_ids": unpack(load_prompt(c, prompt, prompt_blobs), "i"), "response_ids": unpack(response, "i")}
 
     def record_score(self, turn_id: int, teacher: str, prompt_ids: Sequence[int], result: ScoreResult,
-                     topk: int) -> None:
+                     topk: int, hinted: Optional[GenerateResult] = None,
+                     hinted_temperature: Optional[float] = None) -> None:
+        """The teacher's scores, and with ``hinted`` its own reply under the hinted prompt, in one
+        transaction: the sample becomes ready with both or neither."""
         ids = [i for row in result.topk_ids or () for i in row]
         lps = [x for row in result.topk_logprobs or () for x in row]
         with self.store.transaction() as c:
             n = c.execute(
                 "UPDATE opd_hints SET state = 'scored', teacher = ?, teacher_prompt_ids = ?, teacher_logprobs = ?, "
-                "topk = ?, topk_ids = ?, topk_logprobs = ?, weight_version = ?, scored_at = ? "
-                "WHERE turn_id = ? AND state = 'accepted'",
+                "topk = ?, topk_ids = ?, topk_logprobs = ?, weight_version = ?, scored_at = ?, hinted_ids = ?, "
+                "hinted_logprobs = ?, hinted_temperature = ? WHERE turn_id = ? AND state = 'accepted'",
                 (teacher, pack(prompt_ids, "i"), pack(result.logprobs, "d"), topk if ids else 0,
                  pack(ids, "i") if ids else None, pack(lps, "f") if ids else None, result.weight_version,
-                 time.time(), turn_id)).rowcount
+                 time.time(), pack(hinted.token_ids, "i") if hinted else None,
+                 pack(hinted.logprobs, "d") if hinted else None, hinted_temperature if hinted else None,
+                 turn_id)).rowcount
         if not n:
             raise ValueError(f"turn {turn_id} has no accepted, unscored hint")
 
@@ -216,7 +234,8 @@ class OpdStore:
     def get(self, turn_id: int) -> Optional[dict]:
         """The OPD record of a turn (None if not judged yet); token arrays unpacked, top-k as rows."""
         cols = ("turn_id", "state", "reason", "hint", "support", "judge_kind", "votes", "teacher",
-                "teacher_prompt_ids", "teacher_logprobs", "topk", "topk_ids", "topk_logprobs", "weight_version")
+                "teacher_prompt_ids", "teacher_logprobs", "topk", "topk_ids", "topk_logprobs", "weight_version",
+                "hinted_ids", "hinted_logprobs", "hinted_temperature")
         row = self.store.connection().execute(f"SELECT {', '.join(cols)} FROM opd_hints WHERE turn_id = ?",
                                          (turn_id,)).fetchone()
         if row is None:
@@ -225,16 +244,21 @@ class OpdStore:
         d["votes"] = json.loads(d["votes"])
         d["teacher_prompt_ids"] = unpack(d["teacher_prompt_ids"], "i")
         d["teacher_logprobs"] = unpack(d["teacher_logprobs"], "d")
+        d["hinted_ids"] = unpack(d["hinted_ids"], "i") if d["hinted_ids"] is not None else None
+        d["hinted_logprobs"] = unpack(d["hinted_logprobs"], "d") if d["hinted_logprobs"] is not None else None
+        d["acceptance"] = acceptance(d["votes"])
         k = d["topk"] or 0
         ids, lps = unpack(d["topk_ids"], "i"), unpack(d["topk_logprobs"], "f")
         d["topk_ids"] = [ids[i:i + k] for i in range(0, len(ids), k)] if k and ids else None
         d["topk_logprobs"] = [lps[i:i + k] for i in range(0, len(lps), k)] if k and lps else None
         return d
 
-    def attach(self, samples: Sequence[Sample]) -> int:
+    def attach(self, samples: Sequence[Sample], hinted: bool = False) -> int:
         """Put each scored turn's teacher signal on its sample (``Sample.teacher``): teacher logprobs
         (one per response token), top-k ids and logprobs (``[T][K]`` or None), the hint, the teacher
-        and its weight version. Samples without a scored hint get nothing. Returns how many got it."""
+        and its weight version; with ``hinted`` (``opd.hinted_sample``) also the teacher's reply under
+        the hinted prompt and the hint's acceptance as its weight, where one was sampled. Samples
+        without a scored hint get nothing. Returns how many got it."""
         attached = 0
         for s in samples:
             rec = self.get(s.turn_id)
@@ -243,9 +267,11 @@ class OpdStore:
             if len(rec["teacher_logprobs"]) != len(s.response_ids):
                 raise ValueError(f"turn {s.turn_id}: {len(rec['teacher_logprobs'])} teacher logprobs for "
                                  f"{len(s.response_ids)} response tokens")
+            hinted_ids = rec["hinted_ids"] if hinted and rec["hinted_ids"] else None
             s.teacher = TeacherSignal(teacher_logprobs=rec["teacher_logprobs"], topk_ids=rec["topk_ids"],
                                       topk_logprobs=rec["topk_logprobs"], hint=rec["hint"], teacher=rec["teacher"],
-                                      weight_version=rec["weight_version"])
+                                      weight_version=rec["weight_version"], hinted_ids=hinted_ids,
+                                      hinted_weight=rec["acceptance"] if hinted_ids else 0.0)
             attached += 1
         return attached
 
@@ -286,11 +312,16 @@ class TeacherWorker(PollingWorker):
         self.opd, self.hint_judge, self.engine, self.tokenizer = opd, hint_judge, engine, tokenizer
         super().__init__(opd_cfg.concurrency, poll_s)
         self.teacher, self.topk = opd_cfg.teacher, opd_cfg.topk
+        # opd.hinted_sample: also sample the teacher's own reply under the hinted prompt
+        self.hinted = (SamplingParams(max_new_tokens=opd_cfg.hinted_max_tokens, temperature=opd_cfg.hinted_temperature,
+                                      priority=ROLLOUT_PRIORITY) if opd_cfg.hinted_sample else None)
         self.temperature, self.timeout_s, self.busy_wait_s = temperature, timeout_s, busy_wait_s
 
     def _started_message(self) -> str:
+        hinted = (f", a reply sampled under each hint (temperature {self.hinted.temperature:g}, at most "
+                  f"{self.hinted.max_new_tokens} tokens)" if self.hinted else "")
         return (f"OPD teacher worker started: {self.hint_judge.kind} hint judge, teacher {self.teacher}, "
-                f"top-k {self.topk}, {self.concurrency} at a time")
+                f"top-k {self.topk}{hinted}, {self.concurrency} at a time")
 
     async def _next_work(self, free: int, busy: list[int]):
         todo: list = await asyncio.to_thread(self.opd.unscored, free, busy)
@@ -329,6 +360,15 @@ class TeacherWorker(PollingWorker):
             result = await asyncio.wait_for(
                 self.engine.score(prompt, turn["response_ids"], top_k=self.topk, temperature=self.temperature),
                 self.timeout_s)
+            hinted = None
+            if self.hinted is not None:
+                await self._wait_for_serving_gap()
+                # one seed per turn: a restart that samples it again gets the same reply from the same weights
+                hinted = await asyncio.wait_for(self.engine.generate(
+                    prompt, replace(self.hinted, seed=turn_id), request_id=f"opd-hinted-{turn_id}"), self.timeout_s)
+                if not hinted.token_ids or hinted.finish_reason == "abort":
+                    raise TeacherError("hinted_sample_empty", f"the reply under the hint ended "
+                                       f"{hinted.finish_reason!r} with {len(hinted.token_ids)} token(s)")
         except TeacherError as e:
             await asyncio.to_thread(self.opd.record_failure, turn_id, e.reason)
             return
@@ -339,9 +379,11 @@ class TeacherWorker(PollingWorker):
             await asyncio.to_thread(self.opd.record_failure, turn_id,
                                     f"teacher_error: {type(e).__name__}: {str(e)[:200]}")
             return
-        await asyncio.to_thread(self.opd.record_score, turn_id, self.teacher, prompt, result, self.topk)
-        log.info("turn %d: teacher scored %d token(s) under the hint at weight version %d", turn_id,
-                 len(result.logprobs), result.weight_version)
+        await asyncio.to_thread(self.opd.record_score, turn_id, self.teacher, prompt, result, self.topk, hinted,
+                                self.hinted.temperature if self.hinted else None)
+        log.info("turn %d: teacher scored %d token(s) under the hint at weight version %d%s", turn_id,
+                 len(result.logprobs), result.weight_version,
+                 f", and sampled a reply of {len(hinted.token_ids)} token(s) under it" if hinted else "")
 
     async def _wait_for_serving_gap(self) -> None:
         """Hold a score request while user requests wait for the engine (at most ``busy_wait_s``)."""

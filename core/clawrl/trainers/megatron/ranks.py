@@ -39,7 +39,8 @@ from clawrl.losses.vocab_parallel import (vocab_parallel_token_entropy, vocab_pa
                                           vocab_parallel_topk_logprobs)
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
-from clawrl.trainers.batching import MicroBatch, build_micro_batch, check_sample, pack, sample_metrics
+from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
+                                     trained_mask)
 from clawrl.trainers.megatron import convert
 from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
 from clawrl.trainers.objective import Objective, StepStats
@@ -211,7 +212,7 @@ class MegatronRanks:
         trains nothing (its loss mask is zero)."""
         from dataclasses import replace
 
-        return replace(like, loss_mask=torch.zeros_like(like.loss_mask))
+        return replace(like, loss_mask=torch.zeros_like(like.loss_mask), hinted_weight=None)
 
     def _run(self, model, batches: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
         """Megatron's schedule (1F1B with PP) over ``batches``; ``loss_fn(logits, mb)`` runs on the
@@ -251,12 +252,12 @@ class MegatronRanks:
             infos = self._run(self.model, mine, lambda logits, mb: (
                 logits.sum() * 0, {"lp": ShardLogits(self._scaled_logits(logits, mb), mb.temperature,
                                                      self.vocab_start, self.tp_group).logprobs(mb.targets).cpu(),
-                                   "cu": mb.cu_seqlens.tolist()}), forward_only=True)
+                                   "cu": mb.cu_seqlens.tolist(), "n": mb.num_samples}), forward_only=True)
         local = []
         if self.last_stage and self.tp_rank == 0 and batches[self.dp_rank]:
             for info in infos:
                 lps, cu = info["lp"].tolist(), info["cu"]
-                local += [lps[a:b] for a, b in zip(cu[:-1], cu[1:])]
+                local += [lps[a:b] for a, b in zip(cu[:-1], cu[1:])][:info["n"]]  # not a hinted reply's
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.pp_rank, self.tp_rank, self.dp_rank, local))
         out: list = [None] * len(samples)
@@ -281,7 +282,7 @@ class MegatronRanks:
         method_metrics = self.method.advantages(everything)  # sets advantages and masks, over the whole batch
         metrics = {**sample_metrics(samples, weight_version, everything), **method_metrics,
                    "micro_batches": max(len(bs) for bs in per_rank)}
-        denominator = sum(aggregation_denominator(mb.loss_mask, mb.cu_seqlens, mode) for mb in everything)
+        denominator = sum(aggregation_denominator(trained_mask(mb), mb.cu_seqlens, mode) for mb in everything)
         if denominator <= 0:
             return {"ok": False, "metrics": metrics, "skipped_reason": "no_trainable_tokens"}
         mine = per_rank[self.dp_rank] or [self._idle_batch(everything[0])]
