@@ -330,6 +330,25 @@ def test_the_embedded_model_has_its_own_defaults_and_composing_never_builds_it(t
     assert "conf/*.yaml" in re.search(r"package_data=\{\"clawrl\": \[(.*?)\]\}", (ROOT / "setup.py").read_text()).group(1)
 
 
+def test_the_serve_log_line_says_which_model_defaults_applied_and_why(tmp_path):
+    from clawrl.config import EMBEDDED_DEFAULTS, model_defaults_report
+
+    recipe = str(ROOT / "openclaw-rl" / "config.yaml")
+    line = model_defaults_report(compose(yaml_path=recipe))
+    lr = compose(yaml_path=recipe).train.lr
+    assert line.startswith(f"per-model defaults from {EMBEDDED_DEFAULTS} (model.path is null: the embedded tiny model")
+    assert f"train.lr={lr}" in line and "replaced" not in line
+    assert "is for 1-8B models" in line  # the reason, from the comment above the key in conf/embedded.yaml
+    line = model_defaults_report(compose(["train.lr=1e-3"], yaml_path=recipe))
+    assert f"train.lr={lr}, replaced by 0.001 from the recipe or command line" in line
+    model = _model_dir(tmp_path, "train:\n  # sized for this model\n  lr: 2.0e-5\n  batch_size: 4\n")
+    line = model_defaults_report(compose([f"model.path={model}", "train.batch_size=2"]))
+    assert line == (f"per-model defaults from {model / 'clawrl.yaml'} (clawrl.yaml in model.path): train.lr=2e-05 "
+                    "(sized for this model); train.batch_size=4, replaced by 2 from the recipe or command line")
+    line = model_defaults_report(compose([f"model.path={tmp_path}"]))
+    assert line.startswith(f"per-model defaults: none ({tmp_path} has no clawrl.yaml)") and "train.lr=1e-05" in line
+
+
 def test_unknown_keys_in_any_layer_are_refused_with_the_file_named(tmp_path):
     model = _model_dir(tmp_path, "train:\n  lrr: 1.0e-4\n")
     with pytest.raises(ConfigError) as e:

@@ -633,6 +633,53 @@ def model_defaults_path(model_path: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
+def _key_comments(path: Path) -> dict[str, str]:
+    """The comment lines right above each key of a YAML file, joined: a per-model defaults file says
+    there why it sets a value (``conf/embedded.yaml``)."""
+    out: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    comment: list[str] = []
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped.lstrip("#").strip())
+            continue
+        m = re.match(r"^(\s*)([A-Za-z_][\w]*)\s*:", line)
+        if not m:
+            comment = []
+            continue
+        indent = len(m.group(1))
+        stack = [(i, k) for i, k in stack if i < indent] + [(indent, m.group(2))]
+        if comment:
+            out[".".join(k for _, k in stack)] = " ".join(comment)
+        comment = []
+    return out
+
+
+def model_defaults_report(cfg: ClawrlConfig) -> str:
+    """What the serve log says about the per-model defaults layer (``model_defaults_path``) of a
+    composed ``cfg`` (before the embedded model is resolved to its directory): which file applied and
+    why, each key it sets with the value it set, whether the recipe or the command line replaced it,
+    and the reason the file gives in a comment above the key."""
+    path = model_defaults_path(cfg.model.path)
+    if path is None:
+        return (f"per-model defaults: none ({cfg.model.path} has no {MODEL_DEFAULTS_FILE}), so the dataclass "
+                f"defaults apply wherever the recipe and the command line set nothing (train.lr={cfg.train.lr:g}, "
+                "sized for 1-8B models); a clawrl.yaml beside the model's config.json would set its own")
+    why = ("model.path is null: the embedded tiny model's calibrated settings" if cfg.model.path is None
+           else f"{MODEL_DEFAULTS_FILE} in model.path")
+    layer = _load_layer(path)
+    comments = _key_comments(path)
+    parts = []
+    for key in _leaf_keys(layer):
+        value, used = OmegaConf.select(layer, key), OmegaConf.select(OmegaConf.structured(cfg), key)
+        part = f"{key}={value}" + ("" if used == value else f", replaced by {used} from the recipe or command line")
+        if key in comments:
+            part += f" ({comments[key]})"
+        parts.append(part)
+    return f"per-model defaults from {path} ({why}): " + "; ".join(parts)
+
+
 def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None = None,
             layer: tuple[str, Any] | None = None) -> ClawrlConfig:
     """Build the config: dataclass defaults < the model's defaults < ``yaml_path`` < ``layer`` < ``overrides``.

@@ -22,7 +22,7 @@ import uvicorn
 
 from clawrl.cluster.control import ClusterError
 from clawrl.cluster.launch import read_node_env, run_worker_node
-from clawrl.config import compose
+from clawrl.config import compose, model_defaults_report
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.engines.base import EngineError
@@ -119,6 +119,7 @@ def serve_cli(args) -> int:
         except EnvError as e:
             raise CliError(str(e).splitlines()[0]) from None
     setup_logging(cfg.logging.level)  # clawrl at logging.level, libraries (httpx, uvicorn.access, ...) at WARNING
+    log.info("%s", model_defaults_report(cfg))  # before resolve_model: model.path null is the embedded model
     if cfg.trainer.backend == "megatron" and cfg.train.enabled and not _is_driver_node(cfg):
         return _serve_trainer_ranks_only(resolve_model(cfg))
     try:
