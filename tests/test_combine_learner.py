@@ -92,3 +92,26 @@ def test_model_hint_judge_votes_with_a_frozen_engine_not_the_served_policy(model
     assert opd.judge_engine is not None and opd.judge_engine is not learner.engine
     assert opd.worker.hint_judge.kind == "model" and opd.worker.hint_judge.votes == 1
     assert learner.method.rl.worker is not None  # combine keeps the reward judge
+
+
+def test_combine_with_hinted_sample_and_a_frozen_base_teacher_trains_the_hinted_replies(model_dir, tmp_path):
+    # opd.teacher=base: a frozen copy of the starting policy samples under each hint; the step trains the
+    # replies it sampled (hinted_tokens) beside the turns' own signals
+    app, learner, store = make_app(model_dir, tmp_path, "method=combine", "train.batch_size=2",
+                                   "opd.hinted_sample=true", "opd.hinted_temperature=0", "opd.hinted_max_tokens=4",
+                                   "opd.teacher=base")
+    teacher = learner.method.opd.teacher_engine
+    assert teacher is not None and teacher is not learner.engine
+    with ServerThread(app) as srv:
+        interaction(srv.url, "Hi", "Too long. One line, please.")
+        interaction(srv.url, "What is 7+5?", "No, that's wrong. Just the number, please.")
+        s = wait_for(srv.url, lambda s: s["training"]["train_step"] == 1)
+        assert s["training"]["opd"]["opd_samples_trained"] == 2
+        assert teacher.model_info().weight_version == 0  # the frozen teacher never takes the new weights
+    rows = store.connection().execute(
+        "SELECT teacher, hinted_ids FROM opd_hints WHERE state = 'scored' ORDER BY turn_id").fetchall()
+    assert [r[0] for r in rows] == ["base", "base"] and all(r[1] for r in rows)
+    step = next(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                if '"kind": "train_step"' in line)
+    assert step["samples_both"] + step["samples_opd_only"] == 2
+    assert 2 <= step["hinted_tokens"] <= 8 and step["hinted_nll"] > 0

@@ -281,7 +281,8 @@ class OpdConfig:
                              "(votes from a judge engine).", choices=("rules", "model"))
     votes: int = option(3, "Votes per turn for the model hint judge; a strict majority must accept.", ge=1)
     teacher: str = option("policy", "Teacher scoring the sampled tokens under the hinted prompt: policy (the "
-                          "serving engine) | a model path.", nonempty=True)
+                          "serving engine) | base (a frozen copy of the starting policy, which cannot drift with "
+                          "the student) | a model path.", nonempty=True)
     topk: int = option(0, "Teacher top-k ids/logprobs stored per token for top-k distillation; 0: sampled tokens "
                        "only.", ge=0, le=20)
     concurrency: int = option(1, "Turns hint-judged or teacher-scored at once; keep small so scoring never crowds "

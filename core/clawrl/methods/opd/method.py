@@ -3,7 +3,8 @@
 For every closed main turn the ``TeacherWorker`` (``clawrl.methods.opd.teacher``) asks a hint judge
 whether the next state holds a hint and, for an accepted one, scores the turn's sampled tokens under
 the hinted prompt. The teacher is the serving engine (``opd.teacher=policy``: the policy as it is now,
-so the teacher improves with it) or a frozen engine loaded from the path ``opd.teacher`` names.
+so the teacher improves with it), a frozen copy of the starting policy (``opd.teacher=base``: it cannot
+drift with the student) or a frozen engine loaded from the path ``opd.teacher`` names.
 ``opd.hint_judge=model`` votes with a frozen copy of the base policy (or the same frozen teacher
 engine). Serving never waits: the worker scores ``opd.concurrency`` turns at a time and only in gaps
 between user requests.
@@ -50,7 +51,7 @@ class OnPolicyDistillation(Method):
         self.teacher_wait_s = teacher_wait_s
         self.store: Optional[TurnStore] = None
         self.opd: Optional[OpdStore] = None
-        self.teacher_engine: Optional[Engine] = None  # a frozen teacher, when opd.teacher is a path
+        self.teacher_engine: Optional[Engine] = None  # a frozen teacher, when opd.teacher is base or a path
         self.judge_engine: Optional[Engine] = None  # the model hint judge's frozen engine
         self.worker: Optional[TeacherWorker] = None
 
@@ -71,7 +72,9 @@ class OnPolicyDistillation(Method):
             return make_engine(replace(cfg, model=replace(cfg.model, path=path, name=None),
                                        cluster=replace(cfg.cluster, ray=False)))  # not the served policy
 
-        if opd_cfg.teacher != "policy":
+        if opd_cfg.teacher == "base":  # a frozen copy of the policy as it was loaded, before any training
+            self.teacher_engine = frozen(str(engine.model_info().path))
+        elif opd_cfg.teacher != "policy":
             self.teacher_engine = frozen(opd_cfg.teacher)
         if opd_cfg.hint_judge == "model":
             # like the PRM judge: a frozen model that does not drift with the weights it judges
