@@ -17,6 +17,7 @@ import torch
 from clawrl.config import ClawrlConfig
 from clawrl.losses import (PolicyLossConfig, aggregate, kl_penalty, policy_loss, token_entropy, token_logprobs,
                            topk_forward_kl, topk_logprobs, topk_reverse_kl, weighted_nll)
+from clawrl.losses.logits import DEFAULT_CHUNK
 from clawrl.trainers.base import TrainerError
 from clawrl.trainers.batching import MicroBatch
 
@@ -39,15 +40,20 @@ class FullLogits:
 
     def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, logprobs: torch.Tensor | None = None):
         # logprobs: the targets' logprobs when the caller has them already (same graph, not recomputed)
-        self.logits, self.temperature, self._logprobs = logits, temperature, logprobs
+        self.logits, self.temperature = logits, temperature
+        self._memo: tuple[torch.Tensor | None, torch.Tensor | None] = (None, logprobs)  # (targets, logprobs)
 
     def logprobs(self, targets: torch.Tensor) -> torch.Tensor:
-        if self._logprobs is not None:
-            return self._logprobs
-        return token_logprobs(self.logits, targets)
+        """Memoised per ``targets``: pi_old taken from the loss's forward and the loss itself read the
+        same tensor, and the pass over the ``[T, V]`` logits runs once."""
+        seen, lp = self._memo
+        if lp is None or (seen is not None and seen is not targets):
+            lp = token_logprobs(self.logits, targets, chunk_size=DEFAULT_CHUNK)
+            self._memo = (targets, lp)
+        return lp
 
     def entropy(self) -> torch.Tensor:
-        return token_entropy(self.logits)
+        return token_entropy(self.logits, chunk_size=DEFAULT_CHUNK)
 
     def topk_logprobs_t1(self, ids: torch.Tensor) -> torch.Tensor:
         # the teacher's top-k is at temperature 1: undo the sample's temperature

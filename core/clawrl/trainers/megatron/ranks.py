@@ -43,7 +43,7 @@ from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sampl
                                      trained_mask)
 from clawrl.trainers.megatron import convert
 from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
-from clawrl.trainers.objective import Objective, StepStats
+from clawrl.trainers.objective import FullLogits, Objective, StepStats
 
 log = logging.getLogger(__name__)
 # megatron-core warns once per import, in every rank, that apex/transformer-engine are missing; the
@@ -231,6 +231,16 @@ class MegatronRanks:
             forward_step_func=step, data_iterator=iter(batches), model=[model], num_microbatches=len(batches),
             seq_length=max(mb.num_tokens for mb in batches), micro_batch_size=1, forward_only=forward_only) or []
 
+    def _ops(self, logits: torch.Tensor, mb: MicroBatch):
+        """``VocabOps`` over the last stage's logits of ``mb``. With the vocabulary in one shard (tp=1),
+        the torch trainer's ``FullLogits`` on the model's own (bf16 on a GPU) logits: chunked passes that
+        keep no float32 ``[T, V]`` copy (10 GB for 16k tokens of a 150k vocabulary); split over TP
+        ranks, ``ShardLogits`` on float32 shards, whose sums cross the ranks."""
+        if self.tp == 1:
+            unit = not bool((mb.temperature != 1.0).any())
+            return FullLogits(logits if unit else self._scaled_logits(logits, mb), mb.temperature)
+        return ShardLogits(self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group)
+
     def _scaled_logits(self, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if bool((mb.temperature != 1.0).any()):
@@ -250,8 +260,7 @@ class MegatronRanks:
         self.model.eval()
         with torch.no_grad():
             infos = self._run(self.model, mine, lambda logits, mb: (
-                logits.sum() * 0, {"lp": ShardLogits(self._scaled_logits(logits, mb), mb.temperature,
-                                                     self.vocab_start, self.tp_group).logprobs(mb.targets).cpu(),
+                logits.sum() * 0, {"lp": self._ops(logits, mb).logprobs(mb.targets).cpu(),
                                    "cu": mb.cu_seqlens.tolist(), "n": mb.num_samples}), forward_only=True)
         local = []
         if self.last_stage and self.tp_rank == 0 and batches[self.dp_rank]:
@@ -300,12 +309,10 @@ class MegatronRanks:
         self.model.eval()
         with torch.no_grad():
             if not self.pi_old_from_loss_forward:
-                old_infos = self._run(self.model, mine, lambda logits, mb: (logits.sum() * 0, old_info(ShardLogits(
-                    self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group), mb)),
-                    forward_only=True)
-            ref_infos = (self._run(self.ref_gpt, mine, lambda logits, mb: (logits.sum() * 0, {"old": ShardLogits(
-                self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group).logprobs(mb.targets)}),
-                forward_only=True) if self.ref_gpt is not None else [])
+                old_infos = self._run(self.model, mine, lambda logits, mb: (logits.sum() * 0, old_info(
+                    self._ops(logits, mb), mb)), forward_only=True)
+            ref_infos = (self._run(self.ref_gpt, mine, lambda logits, mb: (logits.sum() * 0, {"old": self._ops(
+                logits, mb).logprobs(mb.targets)}), forward_only=True) if self.ref_gpt is not None else [])
         olds = [i["old"] for i in old_infos] or [None] * len(mine)
         refs = [i["old"] for i in ref_infos] or [None] * len(olds)
 
@@ -318,7 +325,7 @@ class MegatronRanks:
 
         def train_pass(logits, mb):
             k = next(position)
-            ops = ShardLogits(self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group)
+            ops = self._ops(logits, mb)
             old = olds[k]
             if old is None:  # pi_old is this forward's own logprobs, detached
                 old_infos.append(old_info(ops, mb))
