@@ -113,3 +113,33 @@ def test_demo_console_shows_progress_and_measurements_not_request_logs(tmp_path)
     assert lines < 30, console  # 16 measured at these settings; 110 before (17 of them httpx requests)
     kept = (run_dir / "demo.log").read_text()
     assert "INFO clawrl.orchestration.learner: train step 2" in kept and "INFO clawrl.sessions:" in kept
+
+
+def test_the_embedded_corpus_never_opens_a_plain_reply_with_the_teachers_sure():
+    """The teacher user's opener must be a behaviour the model never learned as a plain reply (issue 21
+    item 4): in the chats the embedded model's build draws from (its own generators, seed 0, more of each
+    stream than a build consumes), every assistant message that opens with "Sure!" answers a user message
+    carrying the instruction to open so; and the tool-call drill file has no "Sure" at all. Read-only: the
+    corpus and the build are not changed."""
+    from importlib.resources import files
+
+    from clawrl.embedded.build import _chat_batches
+
+    instructed, plain = 0, []
+    for kind, batches in (("short", 400), ("agent", 40), ("drill", 40), ("long", 60)):
+        stream = _chat_batches(0, kind)
+        for _ in range(batches):
+            for chat in next(stream):
+                last_user = ""
+                for m in chat.messages:
+                    text = m.get("content") if isinstance(m.get("content"), str) else ""
+                    if m["role"] == "user":
+                        last_user = text
+                    elif m["role"] == "assistant" and "Sure!" in text:
+                        if text.lstrip().startswith("Sure!") and "start your reply with 'Sure!'" in last_user:
+                            instructed += 1
+                        else:
+                            plain.append((last_user, text))
+    assert not plain, plain[:3]
+    assert instructed > 100  # the check sees the instructed ones: the model learned "Sure!" only on request
+    assert "Sure" not in (files("clawrl.embedded") / "toolcall_train.jsonl").read_text()
