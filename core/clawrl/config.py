@@ -95,6 +95,12 @@ class ModelConfig:
                         "(fp32, bf16, fp16 are aliases).", choices=DTYPES)
     device: str = option("auto", "Serving device. auto: cuda if available, else cpu; or cpu | cuda | cuda:N.",
                          pattern=r"auto|cpu|cuda(:\d+)?", allowed="auto, cpu, cuda or cuda:N")
+    linear_attention: str = option("auto", "Kernels of the linear-attention (Gated DeltaNet) layers of hybrid models "
+                                   "(Qwen3-Next, Qwen3.5), serving and training. auto: flash-linear-attention on a "
+                                   "GPU when it imports (pip install 'clawrl[fla]'), else pure torch. torch: the "
+                                   "pure-torch chunked/recurrent path. fla: flash-linear-attention, an error "
+                                   "without it or without a GPU. Unused by attention-only models.",
+                                   choices=("auto", "torch", "fla"))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ def make_local_engine(cfg: ClawrlConfig) -> Engine:
     backend = cfg.engine.backend
     if backend == "torch":
         loaded = load_model(cfg.model.path, device=cfg.model.device, dtype=cfg.model.dtype, name=cfg.model.name)
-        return TorchEngine(loaded, cfg.engine)
+        return TorchEngine(loaded, cfg.engine, linear_attention=cfg.model.linear_attention)
     if backend == "sglang":
         return SGLangEngine(cfg)
     raise EngineError(f"unknown engine.backend '{backend}'; choose one of {', '.join(BACKENDS)}")

@@ -39,6 +39,8 @@ from clawrl.engines.base import (
     TokenChunk, check_generate_request, check_score_request,
 )
 from clawrl.engines.hf_fallback import HFForward
+from clawrl.engines.hybrid import PREFIX_CACHE_NOTE, HybridForward, is_hybrid
+from clawrl.engines.hybrid import unsupported_reason as hybrid_unsupported_reason
 from clawrl.engines.loading import LoadedModel
 from clawrl.engines.prefix_cache import PrefixCache
 from clawrl.engines.ragged import RaggedForward, Segment, unsupported_reason
@@ -98,11 +100,12 @@ class TorchEngine(Engine):
     ``static_decode``: decode in a ``StaticDecoder`` (a preallocated KV arena, CUDA graphs on a
     GPU); None means on CUDA only. ``static_capacity``: tokens per decode slot (default: what
     fits in part of the free device memory); requests that would outgrow a slot decode on the
-    ragged path instead.
+    ragged path instead. ``linear_attention``: the delta-rule kernels of a hybrid model's
+    linear-attention layers (``model.linear_attention``: auto | torch | fla, delta_rule.py).
     """
 
     def __init__(self, loaded: LoadedModel, engine_cfg: EngineConfig, static_decode: bool | None = None,
-                 static_capacity: int | None = None):
+                 static_capacity: int | None = None, linear_attention: str = "auto"):
         if engine_cfg.threads:
             torch.set_num_threads(engine_cfg.threads)
         self.loaded = loaded
@@ -112,8 +115,13 @@ class TorchEngine(Engine):
         self.max_context = engine_cfg.max_context or loaded.max_context
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.eos_ids = frozenset(loaded.eos_token_ids)
-        reason = unsupported_reason(self.model)
-        if reason is None:
+        hybrid_model = is_hybrid(self.model)
+        reason = hybrid_unsupported_reason(self.model) if hybrid_model else unsupported_reason(self.model)
+        if reason is None and hybrid_model:
+            self.runner = HybridForward(self.model, linear_attention)
+            if engine_cfg.prefix_cache_tokens:
+                log.info("%s", PREFIX_CACHE_NOTE)
+        elif reason is None:
             self.runner = RaggedForward(self.model)
         else:
             log.warning("%s: %s; using the generic HF forward (one request per step, no prefix cache)",
@@ -123,7 +131,7 @@ class TorchEngine(Engine):
         self.decoder: StaticDecoder | None = None
         if static_decode is None:
             static_decode = loaded.device.type == "cuda"
-        if static_decode and self.runner.ragged:
+        if static_decode and self.runner.ragged and getattr(self.runner, "static_decode", True):
             cap = static_capacity or default_capacity(self.runner, engine_cfg.max_batch_size, self.max_context)
             if cap >= 2:
                 self.decoder = StaticDecoder(self.runner, engine_cfg.max_batch_size, cap,
@@ -368,7 +376,7 @@ class TorchEngine(Engine):
         entry, n = self.prefix_cache.lookup(req.feed, req.first_logit)
         if entry is not None and n:
             req.kv.copy_prefix_from(entry, n)
-            req.cached = n
+            req.cached = req.kv.length  # a hybrid model's state may resume from less than n (hybrid.py)
         req.kv_version = self.weight_version
 
     def _step(self) -> None:
@@ -562,7 +570,9 @@ class TorchEngine(Engine):
     def _remember(self, tokens: list[int], req: _Request) -> None:
         if req.kv_version == self.weight_version:
             self.runner.sync()  # the entry's KV must be complete before others copy from it
-            self.prefix_cache.insert(tokens, req.kv)
+            view = getattr(self.runner, "cache_view", None)  # a hybrid state changes in place: a frozen copy
+            self.prefix_cache.insert(tokens, req.kv if view is None or req.kv.length > self.prefix_cache.budget
+                                     else view(req.kv))
 
     def _retire(self, req: _Request) -> None:
         req.done = True

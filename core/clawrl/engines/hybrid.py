@@ -1,0 +1,323 @@
+"""A ragged forward for hybrid linear-attention models: Qwen3-Next and Qwen3.5 (text).
+
+These interleave Gated DeltaNet layers (a causal depthwise conv, then the gated delta rule: a
+fixed-size recurrent state per head instead of a KV cache) with gated full-attention layers
+(q/k norms, partial rotary, a sigmoid gate on the output). A request's state is therefore two
+things, held in one ``HybridState``: K/V buffers for the attention layers, as in ragged.py, and
+per linear layer the conv state (the last ``kernel - 1`` conv inputs) and the recurrent state.
+
+As in ragged.py, the HF module's own submodules supply every weight (norms, projections, conv,
+MLP or MoE, rotary, lm_head), so in-place weight updates carry over and a swap between two steps
+is atomic; only the per-request state handling and the delta-rule kernels (delta_rule.py) are
+ours. Continuous batching: every decoding request's token goes through each linear layer in one
+batched recurrent step; prefill chunks run the chunked rule from the request's state and leave
+the state at the chunk's end, so chunked prefill equals one-shot prefill.
+
+The prefix cache can only resume a recurrent state where one was saved: a cached entry is a
+frozen copy (``HybridForward.cache_view``) whose state sits at its last token, so a new request
+reuses it when it extends that whole sequence (a chat's next turn over the same history), not a
+shorter common prefix; ``copy_prefix_from`` then takes nothing. (Snapshots at block boundaries
+would widen this; not built.)
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from clawrl.engines.delta_rule import TorchDeltaRule, l2norm, resolve
+from clawrl.engines.ragged import Segment, SeqKV, to_device
+
+log = logging.getLogger(__name__)
+
+HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5_text", "qwen3_5"}
+PREFIX_CACHE_NOTE = ("hybrid linear-attention model: the prefix cache resumes a request only from a cached "
+                     "sequence it extends whole (a recurrent state cannot be cut at an arbitrary token)")
+
+
+def text_config(model):
+    cfg = model.config
+    get = getattr(cfg, "get_text_config", None)
+    return get() if get is not None else cfg
+
+
+def is_hybrid(model) -> bool:
+    """Whether ``model`` has linear-attention layers (a config with ``linear_attention`` layer types)."""
+    types = getattr(text_config(model), "layer_types", None) or []
+    return any(t == "linear_attention" for t in types)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model`` cannot use ``HybridForward``, or None if it can."""
+    cfg = text_config(model)
+    if cfg.model_type not in HYBRID_MODEL_TYPES:
+        return f"model_type '{cfg.model_type}' has no hybrid ragged forward"
+    inner = getattr(model, "model", None)
+    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, attr):
+            return f"the model has no model.{attr}"
+    for i, layer in enumerate(inner.layers):
+        la, at = getattr(layer, "linear_attn", None), getattr(layer, "self_attn", None)
+        if la is not None:
+            needed = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "head_k_dim", "head_v_dim", "num_k_heads",
+                      "num_v_heads")
+            missing = [a for a in needed if not hasattr(la, a)]
+            if not (hasattr(la, "in_proj_qkvz") or hasattr(la, "in_proj_qkv")):
+                missing.append("in_proj_qkvz/in_proj_qkv")
+            if missing:
+                return f"linear attention of layer {i} has no {missing[0]}"
+        elif at is not None:
+            missing = [a for a in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "scaling")
+                       if not hasattr(at, a)]
+            if missing:
+                return f"attention of layer {i} has no {missing[0]}"
+        else:
+            return f"layer {i} has neither linear_attn nor self_attn"
+    return None
+
+
+class HybridState:
+    """One request's state: ``kv`` (a SeqKV over the attention layers only), and per linear layer
+    a conv state ``conv [n_linear, conv_dim, kernel-1]`` and a recurrent state ``ssm [n_linear,
+    heads, K, V]`` (fp32), both at position ``length``."""
+
+    def __init__(self, kv: SeqKV, conv: torch.Tensor, ssm: torch.Tensor):
+        self.kv, self.conv, self.ssm = kv, conv, ssm
+        self.length = 0
+
+    def ensure(self, needed: int) -> None:
+        self.kv.ensure(needed)
+
+    def copy_prefix_from(self, other: "HybridState", n: int) -> None:
+        """Start from ``other``'s first ``n`` tokens if its state sits exactly there; else from
+        nothing (``length`` stays 0: the caller counts ``length``, not ``n``, as reused)."""
+        if n != other.length or n == 0:
+            return
+        self.kv.copy_prefix_from(other.kv, n)
+        self.conv.copy_(other.conv)
+        self.ssm.copy_(other.ssm)
+        self.length = n
+
+    def frozen(self) -> "HybridState":
+        """A copy for the prefix cache: the K/V buffers shared (a live request only appends past
+        ``length``, and a grown buffer is a new tensor), conv and recurrent state cloned (they
+        change in place with every token)."""
+        kv = SeqKV.__new__(SeqKV)
+        kv.max_tokens, kv.layers, kv.length = self.kv.max_tokens, list(self.kv.layers), self.length
+        out = HybridState(kv, self.conv.clone(), self.ssm.clone())
+        out.length = self.length
+        return out
+
+
+class HybridForward:
+    """Runs ``Segment`` lists through an HF hybrid model; see the module docstring."""
+
+    ragged = True
+    static_decode = False  # the CUDA-graph decoder (static_decode.py) knows only attention KV
+
+    def __init__(self, model, kernels: str = "auto"):
+        self.model = model
+        self.cfg = text_config(model)
+        self.inner = model.model
+        dev = self.inner.embed_tokens.weight.device
+        self.kernels = resolve(kernels, dev)
+        self.ref = TorchDeltaRule()
+        self.attn_index: dict[int, int] = {}
+        self.linear_index: dict[int, int] = {}
+        for i, layer in enumerate(self.inner.layers):
+            if getattr(layer, "linear_attn", None) is not None:
+                self.linear_index[i] = len(self.linear_index)
+            else:
+                self.attn_index[i] = len(self.attn_index)
+        first_attn = next(self.inner.layers[i].self_attn for i in self.attn_index) if self.attn_index else None
+        self.head_dim = first_attn.head_dim if first_attn is not None else 0
+        self.n_heads = self.cfg.num_attention_heads
+        self.kv_heads = self.cfg.num_key_value_heads
+        la = next(self.inner.layers[i].linear_attn for i in self.linear_index)
+        self.conv_dim = la.conv1d.weight.shape[0]
+        self.conv_k = la.conv1d.weight.shape[-1]
+        self.hv, self.dk, self.dv = la.num_v_heads, la.head_k_dim, la.head_v_dim
+        self.hk = la.num_k_heads
+        log.info("hybrid forward: %d linear-attention layers (%s kernels), %d attention layers",
+                 len(self.linear_index), self.kernels.name, len(self.attn_index))
+
+    def check_weights(self) -> bool:
+        """Nothing is fused: the forward reads the modules' parameters every step."""
+        return False
+
+    def sync(self) -> None:
+        """Every request's state is complete after each step."""
+
+    def release(self) -> None:
+        """Nothing is kept between steps."""
+
+    def cache_view(self, state: HybridState) -> HybridState:
+        return state.frozen()
+
+    def new_kv(self, capacity: int, max_tokens: int) -> HybridState:
+        p = self.inner.embed_tokens.weight
+        kv = SeqKV(max(1, len(self.attn_index)), self.kv_heads, max(1, self.head_dim), p.dtype, p.device,
+                   capacity if self.attn_index else 1, max_tokens if self.attn_index else 1)
+        conv = torch.zeros(len(self.linear_index), self.conv_dim, self.conv_k - 1, dtype=p.dtype, device=p.device)
+        ssm = torch.zeros(len(self.linear_index), self.hv, self.dk, self.dv, dtype=torch.float32, device=p.device)
+        return HybridState(kv, conv, ssm)
+
+    # ------------------------------------------------------------------ the forward
+
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """Fp32 logits ``[sum(len(logit_rows)), vocab]`` in segment order; advances each state."""
+        dev = self.inner.embed_tokens.weight.device
+        lens = [len(s.ids) for s in segments]
+        starts = [s.kv.length for s in segments]
+        for s, n in zip(segments, lens):
+            s.kv.ensure(s.kv.length + n)
+        ids = to_device([t for s in segments for t in s.ids], dev)
+        pos = to_device([p for st, n in zip(starts, lens) for p in range(st, st + n)], dev)
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x[None], pos[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [n, 1, rotary_dim]
+        offs = [0]
+        for n in lens[:-1]:
+            offs.append(offs[-1] + n)
+        states = [s.kv for s in segments]
+        for li, layer in enumerate(self.inner.layers):
+            h = layer.input_layernorm(x)
+            if li in self.linear_index:
+                h = self.linear(li, layer.linear_attn, h, states, lens, offs)
+            else:
+                h = self.attention(li, layer.self_attn, h, states, starts, lens, offs, cos, sin)
+            x = x + h
+            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+        for s, n in zip(segments, lens):
+            s.kv.length += n
+            s.kv.kv.length = s.kv.length
+        rows, off = [], 0
+        for s, n in zip(segments, lens):
+            rows += [off + r for r in s.logit_rows]
+            off += n
+        if not rows:
+            return x.new_empty(0, self.model.config.get_text_config().vocab_size, dtype=torch.float32)
+        return self.model.lm_head(self.inner.norm(x[to_device(rows, dev)])).float()
+
+    def attention(self, li, attn, h, states, starts, lens, offs, cos, sin) -> torch.Tensor:
+        """Gated full attention of layer ``li``, each request against its own K/V."""
+        n_tok, d, hq, hkv = h.shape[0], self.head_dim, self.n_heads, self.kv_heads
+        q, gate = attn.q_proj(h).view(n_tok, hq, 2 * d).chunk(2, dim=-1)
+        gate = gate.reshape(n_tok, hq * d)
+        q = attn.q_norm(q)
+        k = attn.k_norm(attn.k_proj(h).view(n_tok, hkv, d))
+        v = attn.v_proj(h).view(n_tok, hkv, d)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = q.new_empty(n_tok, hq * d)
+        slot = self.attn_index[li]
+        for st, n, off, state in zip(starts, lens, offs, states):
+            kb, vb = state.kv.layers[slot]
+            kb[st: st + n] = k[off: off + n]
+            vb[st: st + n] = v[off: off + n]
+            mask = None
+            if n > 1 and st > 0:  # query i at st + i sees keys up to there
+                mask = torch.ones(n, st + n, dtype=torch.bool, device=h.device).tril_(st)
+            o = F.scaled_dot_product_attention(
+                q[off: off + n].transpose(0, 1)[None], kb[: st + n].transpose(0, 1)[None],
+                vb[: st + n].transpose(0, 1)[None], attn_mask=mask, is_causal=(mask is None and n > 1),
+                scale=attn.scaling, enable_gqa=hkv != hq)
+            out[off: off + n] = o[0].transpose(0, 1).reshape(n, -1)
+        return attn.o_proj(out * torch.sigmoid(gate))
+
+    def linear(self, li, la, h, states, lens, offs) -> torch.Tensor:
+        """Gated DeltaNet layer ``li``: conv and delta rule from each request's state, states advanced."""
+        slot = self.linear_index[li]
+        mixed, z, b, a = project_linear(la, h)
+        weight = la.conv1d.weight[:, 0]  # [conv_dim, kernel]
+        conv_out = torch.empty_like(mixed)
+        decode = [i for i, n in enumerate(lens) if n == 1]
+        prefill = [i for i, n in enumerate(lens) if n > 1]
+        if decode:
+            rows = to_device([offs[i] for i in decode], h.device)
+            prev = torch.stack([states[i].conv[slot] for i in decode])  # [B, C, k-1]
+            full = torch.cat([prev, mixed[rows][:, :, None].to(prev.dtype)], dim=-1)
+            y = (full * weight).sum(-1)
+            if la.conv1d.bias is not None:
+                y = y + la.conv1d.bias
+            conv_out[rows] = y.to(conv_out.dtype)
+            for j, i in enumerate(decode):
+                states[i].conv[slot].copy_(full[j, :, 1:])
+        for i in prefill:
+            off, n, conv = offs[i], lens[i], states[i].conv[slot]
+            full = torch.cat([conv, mixed[off: off + n].t().to(conv.dtype)], dim=-1)  # [C, k-1+n]
+            conv_out[off: off + n] = F.conv1d(full[None], la.conv1d.weight, la.conv1d.bias,
+                                              groups=self.conv_dim)[0].t().to(conv_out.dtype)
+            conv.copy_(full[:, -(self.conv_k - 1):])
+        q, k, v, g, beta = gates_and_heads(la, F.silu(conv_out), b, a)
+        core = q.new_empty(h.shape[0], self.hv, self.dv, dtype=torch.float32)
+        if decode:
+            rows = to_device([offs[i] for i in decode], h.device)
+            init = torch.stack([states[i].ssm[slot] for i in decode])
+            o, final = self.kernels.recurrent(q[rows], k[rows], v[rows], g[rows], beta[rows], init)
+            core[rows] = o
+            for j, i in enumerate(decode):
+                states[i].ssm[slot].copy_(final[j])
+        if prefill:
+            idx = torch.cat([torch.arange(offs[i], offs[i] + lens[i], device=h.device) for i in prefill])
+            o, finals = self.kernels.varlen(q[idx], k[idx], v[idx], g[idx], beta[idx], [lens[i] for i in prefill],
+                                            [states[i].ssm[slot] for i in prefill])
+            core[idx] = o
+            for i, f in zip(prefill, finals):
+                states[i].ssm[slot].copy_(f)
+        return gated_output(la, core.to(h.dtype), z)
+
+
+# -------------------------------------------------------------------- shared with the trainer
+
+def project_linear(la, h: torch.Tensor):
+    """A Gated DeltaNet layer's input projections of ``h [n, hidden]``: the conv input ``mixed
+    [n, conv_dim]`` (q, k, v concatenated, in that order), ``z [n, HV, V]``, ``b`` and ``a [n, HV]``.
+    Qwen3-Next interleaves q/k/v/z per key head in one projection (HF's fix_query_key_value_ordering
+    untangles it); Qwen3.5 has four plain projections."""
+    n = h.shape[0]
+    if hasattr(la, "in_proj_qkvz"):
+        q, k, v, z, b, a = la.fix_query_key_value_ordering(la.in_proj_qkvz(h)[None], la.in_proj_ba(h)[None])
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, la.num_v_heads, la.head_v_dim), b.reshape(n, -1), a.reshape(n, -1)
+    return (la.in_proj_qkv(h), la.in_proj_z(h).view(n, la.num_v_heads, la.head_v_dim), la.in_proj_b(h),
+            la.in_proj_a(h))
+
+
+def gates_and_heads(la, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+    """From the conv output: L2-normed q, k repeated to the value heads (fp32), v, the log decay
+    ``g`` and write strength ``beta``, as the delta rule (delta_rule.py) takes them."""
+    n = mixed.shape[0]
+    kd = la.num_k_heads * la.head_k_dim
+    q, k, v = mixed.split([kd, kd, mixed.shape[-1] - 2 * kd], dim=-1)
+    q, k = q.reshape(n, la.num_k_heads, la.head_k_dim), k.reshape(n, la.num_k_heads, la.head_k_dim)
+    v = v.reshape(n, la.num_v_heads, la.head_v_dim)
+    rep = la.num_v_heads // la.num_k_heads
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    beta = b.sigmoid()
+    g = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
+    return l2norm(q), l2norm(k), v, g, beta
+
+
+def gated_output(la, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The gated RMSNorm (by ``z``) per value head, then the output projection."""
+    n = core.shape[0]
+    out = la.norm(core.reshape(-1, la.head_v_dim), z.reshape(-1, la.head_v_dim))
+    return la.out_proj(out.reshape(n, -1))
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on the first ``rotary_dim`` channels only (these models rotate part of each head)."""
+    r = cos.shape[-1]
+    rot, rest = t[..., :r], t[..., r:]
+    half = r // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
+    out = mlp(h[None])
+    if isinstance(out, tuple):  # an MoE block that also returns router logits
+        out = out[0]
+    return out[0]
