@@ -48,6 +48,8 @@ import time
 import torch
 
 from clawrl.config import ClawrlConfig
+from clawrl.engines.delta_rule import DeltaRuleUnavailable, resolve as resolve_delta_rule
+from clawrl.engines.hybrid import is_hybrid
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
 from clawrl.losses import aggregation_denominator, token_entropy, token_logprobs
 from clawrl.losses.logits import DEFAULT_CHUNK, token_logprobs_and_entropy
@@ -96,7 +98,14 @@ class TorchTrainer(Trainer):
         self.autocast = self.device.type == "cuda" and self.param_dtype == torch.float32
         model = loaded.model.to(self.param_dtype)
         self.attention_before = getattr(model.config, "_attn_implementation", None) or "sdpa"
-        self.packed = packed_attention.enable(model)  # before the reference copy, which shares it
+        # A hybrid linear-attention model (Qwen3-Next, Qwen3.5) trains one sequence per row: HF's
+        # Gated DeltaNet layers take no sequence bounds (their conv and recurrent state would run
+        # from one packed sequence into the next), so ``_hybrid_logits`` right-pads the micro-batch's
+        # sequences into rows instead of packing them into one.
+        self.hybrid = is_hybrid(model)
+        if self.hybrid:
+            self._check_linear_attention(cfg.model.linear_attention)
+        self.packed = False if self.hybrid else packed_attention.enable(model)  # before the reference copy
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.lora = train_cfg.lora.enabled
         self.ref_model = None
@@ -136,7 +145,8 @@ class TorchTrainer(Trainer):
                  loaded.path, self.device, str(self.param_dtype).removeprefix("torch."),
                  " with float32 masters" if self.masters else "", len(self.params),
                  f"LoRA r={train_cfg.lora.r}" if self.lora else "full fine-tuning", train_cfg.micro_batch_tokens,
-                 "per-sequence (packed)" if self.packed else "block-masked",
+                 "per-sequence (packed)" if self.packed else
+                 "one row per sequence (hybrid linear attention)" if self.hybrid else "block-masked",
                  "from the loss's forward" if self.pi_old_from_loss_forward else "from its own no-grad pass")
 
     def _param_dtype(self, name: str) -> torch.dtype:
@@ -158,12 +168,51 @@ class TorchTrainer(Trainer):
                 raise TrainerError(f"train.lora.target_modules={list(lora_cfg.target_modules)}: "
                                    f"{str(e).splitlines()[0]}") from None
 
+    def _check_linear_attention(self, choice: str) -> None:
+        """``model.linear_attention`` for training: the model's own (HF) Gated DeltaNet layers run
+        flash-linear-attention when it imports and their pure-torch path otherwise, so ``fla``
+        without it is refused here rather than silently trained on the slow path, and ``torch`` on
+        a GPU with fla installed is refused too (HF would pick fla anyway)."""
+        if choice == "fla":
+            resolve_delta_rule("fla", self.device)
+        elif choice == "torch" and self.device.type == "cuda" and resolve_delta_rule(
+                "auto", self.device).name == "fla":
+            raise DeltaRuleUnavailable("model.linear_attention=torch: the trainer runs HF's linear-attention "
+                                       "layers, which use flash-linear-attention whenever it is installed")
+
     # ---------------------------------------------------------------- forward
+
+    def _hybrid_logits(self, model, mb: MicroBatch) -> torch.Tensor:
+        """``_logits`` for a hybrid model: its sequences right-padded into rows of one batch (padding
+        after a sequence cannot reach its tokens: attention is causal, the recurrence runs forward),
+        then the response-predicting positions' hidden states through the LM head."""
+        seqs = [(a, b) for a, b in mb.bounds]
+        width = max(b - a for a, b in seqs)
+        dev = mb.input_ids.device
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
+        attn = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
+        for i, (a, b) in enumerate(seqs):
+            ids[i, : b - a] = mb.input_ids[0, a:b]
+            attn[i, : b - a] = 1
+        pos = torch.arange(width, device=dev).expand(len(seqs), -1)
+        # each kept row (a position of the packed row) as (sequence, position within it)
+        starts = torch.tensor([a for a, _ in seqs], device=dev)
+        row_seq = torch.searchsorted(starts, mb.logit_rows, right=True) - 1
+        row_pos = mb.logit_rows - starts[row_seq]
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            hidden = base.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).last_hidden_state
+            logits = base.lm_head(hidden[row_seq, row_pos])
+        if bool((mb.temperature != 1.0).any()):
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / mb.temperature[:, None]
+        return logits
 
     def _logits(self, model, mb: MicroBatch) -> torch.Tensor:
         """Logits ``[T, V]`` of the response-predicting positions, scaled by temperature, in the
         model's output dtype: bf16 ones are never copied whole into float32 (``clawrl.losses.logits``
         works on float32 chunks of them)."""
+        if self.hybrid:
+            return self._hybrid_logits(model, mb)
         extra, mask = {}, None  # one sequence: the model's own causal attention (no [L, L] mask to hold)
         if self.packed:
             extra[packed_attention.SEGMENTS] = mb.bounds

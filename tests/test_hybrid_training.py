@@ -1,0 +1,103 @@
+"""The torch trainer on tiny random hybrid linear-attention models (Qwen3-Next, Qwen3.5 text; CPU):
+a packed micro-batch gives every sample the logprobs it has alone (no recurrent state leaks from one
+sequence into the next), and every loss -- rl (GRPO), opd, top-k distillation, combine -- and LoRA
+train them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clawrl.engines.delta_rule import DeltaRuleUnavailable
+from clawrl.engines.loading import load_model
+from hybrid_testing import HYBRID_ARCHS, make_hybrid_dir
+from test_opd_training import combine_batch, with_teacher
+from test_trainer import make_samples, on_policy, trainer_for
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_train")
+    return {a: make_hybrid_dir(root / a, a, std=0.1) for a in HYBRID_ARCHS}
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_packed_sequences_score_as_they_do_alone(dirs, arch):
+    trainer = trainer_for(dirs[arch])
+    samples = make_samples(trainer.vocab_size, n=4, seed=1)
+    packed = trainer.logprobs(samples)  # one micro-batch of four sequences
+    hf = load_model(str(dirs[arch]), device="cpu").model
+    for s, lps in zip(samples, packed):
+        ids = s.prompt_ids + s.response_ids
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, len(s.prompt_ids) - 1: -1].float(), -1)
+        exact = lp.gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        assert max(abs(a - b) for a, b in zip(lps, exact.tolist())) < 1e-4
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_an_rl_step_moves_logprobs_with_the_advantage(dirs, advantage):
+    trainer = trainer_for(dirs["qwen3_next"], "train.lr=3e-3")
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, advantage=advantage))
+    before = [sum(x) for x in trainer.logprobs(samples)]
+    result = trainer.train_step(samples, weight_version=0)
+    assert result.ok and result.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert result.metrics["rollout_logprob_gap_max"] < 1e-5
+    after = [sum(x) for x in trainer.logprobs(samples)]
+    for b, a in zip(before, after):
+        assert (a - b) * advantage > 0.02
+
+
+def test_the_update_does_not_depend_on_the_micro_batch_split(dirs):
+    samples = make_samples(400, n=4, seed=3)
+    params = {}
+    for budget in (10_000, 20):
+        trainer = trainer_for(dirs["qwen3_5"], f"train.micro_batch_tokens={budget}", "train.lr=1e-3",
+                              "train.aggregation=seq-mean-token-mean", dtype=torch.float64)
+        on_policy(trainer, samples)
+        assert trainer.train_step(samples, weight_version=0).ok
+        params[budget] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for name, p in params[10_000].items():
+        torch.testing.assert_close(params[20][name], p, atol=1e-7, rtol=0, msg=name)
+
+
+def test_opd_and_forward_topk_steps_train(dirs):
+    trainer = trainer_for(dirs["qwen3_5"], "method=opd", "opd.topk=2", "opd.topk_kl=forward", "train.lr=3e-3")
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, n=2, seed=4))
+    for s in samples:
+        s.rl_signal = False
+        n = len(s.response_ids)
+        with_teacher(s, [1.0] * n, topk=([[3, 4]] * n, [[-0.1, -3.0]] * n))
+    before = [sum(x) for x in trainer.logprobs(samples)]
+    result = trainer.train_step(samples, weight_version=0)
+    assert result.ok and result.metrics["topk_kl"] > 0 and result.metrics["samples_opd_only"] == 2
+    after = [sum(x) for x in trainer.logprobs(samples)]
+    assert all(a > b for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_combine_with_lora_trains_adapters_and_exports_the_merged_model(dirs, arch):
+    trainer = trainer_for(dirs[arch], "method=combine", "combine.w_rl=1.0", "combine.w_opd=0.5",
+                          "train.lora.enabled=true", "train.lora.r=4", "train.lr=1e-2", "train.kl_coef=0.1")
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    samples = combine_batch(trainer)
+    before = trainer.logprobs(samples)
+    result = trainer.train_step(samples, weight_version=0)
+    assert result.ok and (result.metrics["samples_both"], result.metrics["samples_rl_only"]) == (1, 1)
+    after = trainer.logprobs(samples)
+    moved = [sum(a) - sum(b) for a, b in zip(after, before)]
+    assert moved[0] > 0 and moved[1] < 0 and moved[2] > 0  # +1 & hint, -1, hint only
+    assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if "lora_" not in n)
+    exported = trainer.export_weights()
+    served = load_model(str(dirs[arch]), device="cpu").model
+    assert set(exported) == set(served.state_dict())
+    served.load_state_dict(exported)
+    s = samples[0]
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_fla_kernels_asked_for_on_cpu_are_refused(dirs):
+    with pytest.raises(DeltaRuleUnavailable, match="CUDA"):
+        trainer_for(dirs["qwen3_next"], "model.linear_attention=fla")
