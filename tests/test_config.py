@@ -319,7 +319,8 @@ def test_the_embedded_model_has_its_own_defaults_and_composing_never_builds_it(t
     monkeypatch.setattr(build, "default_model_path", refuse)
     monkeypatch.setattr(build, "build_model", refuse)
     assert TrainConfig().lr == 1e-5
-    assert compose().train.lr == 2e-4 and compose(["model.path=null"]).train.lr == 2e-4
+    assert compose().train.lr == 1e-4 and compose(["model.path=null"]).train.lr == 1e-4
+    assert compose().train.kl_coef == 1.0 and TrainConfig().kl_coef == 0.0
     assert compose([f"model.path={tmp_path}"]).train.lr == 1e-5  # another model: not the embedded defaults
     recipe = tmp_path / "config.yaml"
     recipe.write_text("train:\n  lr: 3.0e-5\n")
