@@ -54,11 +54,13 @@ def test_clawrls_side_composes_the_shared_settings(ct, tmp_path):
 
     args = Namespace(group_size=4, batch=8, steps=3, seed=1)
     s = ct.shared_settings(args)
-    assert s["lr"] == 2e-4 and s["max_tokens"] == 24  # conf/embedded.yaml, demo.max_tokens
+    assert s["lr"] == compose().train.lr and s["max_tokens"] == 24  # conf/embedded.yaml, demo.max_tokens
+    assert s["kl_coef"] == compose().train.kl_coef  # conf/embedded.yaml too: TRL's beta
     cfg = resolve_model(compose(ct.clawrl_overrides(args, s, tmp_path)))
     assert (cfg.train.lr, cfg.env.group_size, cfg.train.batch_size) == (s["lr"], 4, 8)
     assert (cfg.env.max_tokens_per_turn, cfg.env.temperature, cfg.env.max_turns) == (24, 1.0, 1)
-    assert cfg.train.kl_coef == 0 and cfg.train.aggregation == "token-mean" and cfg.train.group_advantage == "grpo"
+    assert cfg.train.kl_coef == s["kl_coef"] and cfg.train.aggregation == "token-mean"
+    assert cfg.train.group_advantage == "grpo"
 
 
 def test_without_trl_the_script_names_the_install_command():

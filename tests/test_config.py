@@ -397,7 +397,7 @@ def test_the_composed_config_is_frozen():
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(section, name, value)
     changed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=1.0))
-    assert changed.train.lr == 1.0 and cfg.train.lr == 2e-4
+    assert changed.train.lr == 1.0 and cfg.train.lr == 1e-4
 
 
 def test_the_demo_defaults_validate():
