@@ -11,16 +11,33 @@ is listed in ``RESPONSE_KEYS``: tests/test_sglang_protocol.py checks both agains
 installed source (requirements-sglang.txt). SGLang needs a GPU, so no request has been sent to a
 running SGLang from clawrl's CI.
 
-Weight updates: the generation is paused in SGLang's ``retract`` mode (running requests go back to
-its queue and keep their tokens; none fails), the tensors are loaded with ``weight_version`` set,
-and generation continues. Each chunk's tokens carry the ``weight_version`` SGLang reports in that
-chunk's ``meta_info`` (a chunk straddling a swap is labelled with the version current when SGLang
-sent it); ``health()`` cannot tell SGLang's queued requests from its running ones.
+Weight updates (``SGLangWeightUpdates``): the generation is paused in SGLang's ``retract`` mode
+(running requests go back to its queue and keep their tokens; none fails), a weight-update session
+is opened (SGLang 0.5.23 refuses tensor and distributed loads outside ``begin_weight_update`` /
+``end_weight_update``), the tensors are loaded with ``weight_version`` set, the session is closed,
+the prefix cache is flushed and generation continues. Each chunk's tokens carry the
+``weight_version`` SGLang reports in that chunk's ``meta_info`` (a chunk straddling a swap is
+labelled with the version current when SGLang sent it); ``health()`` cannot tell SGLang's queued
+requests from its running ones.
+
+From a distributed group (a trainer in another process): SGLang's workers join a torch process
+group whose rank 0 is the trainer (``InitWeightsUpdateGroupReqInput``, once per group); then, per
+bucket, one ``UpdateWeightsFromDistributedReqInput`` (names, dtypes, shapes, ``flattened_bucket``)
+while the trainer broadcasts the bucket's bytes (``clawrl.weight_transport_sglang``). Every control
+request goes through an ``SGLangControl``: SGLang's TokenizerManager in this process, or an SGLang
+HTTP server (``HttpControl``).
 """
 from __future__ import annotations
 
+import abc
+import asyncio
 import importlib.util
+import json
+import logging
+import urllib.error
+import urllib.request
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import torch
@@ -32,14 +49,17 @@ from clawrl.engines.base import (
 )
 from clawrl.engines.loading import ModelLoadError, require_path
 
+log = logging.getLogger(__name__)
+
 INSTALL_HINT = "SGLang is not installed; pip install sglang (GPU only), or use engine.backend=torch"
 
-# Every key this adapter reads from SGLang's responses (a generate result and its meta_info, and a
-# finish_reason dict). tests/test_sglang_protocol.py fails when one of them is not a string literal
-# of the installed SGLang source, or when this module reads a key that is not listed here.
+# Every key this adapter reads from SGLang's responses (a generate result and its meta_info, a
+# finish_reason dict, and the HTTP server's answer to a control request). tests/test_sglang_protocol.py
+# fails when one of them is not a string literal of the installed SGLang source, or when this module
+# reads a key that is not listed here.
 RESPONSE_KEYS = ("meta_info", "completion_tokens", "output_token_logprobs", "output_top_logprobs",
                  "input_token_logprobs", "input_top_logprobs", "finish_reason", "type", "matched",
-                 "cached_tokens", "weight_version")
+                 "cached_tokens", "weight_version", "success", "message")
 # SGLang's finish_reason types (FINISH_* .to_json() in schedule_batch.py) and clawrl's names for them.
 FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 # SGLang's pause mode that keeps running requests (retracted to its queue) instead of aborting them.
@@ -105,6 +125,66 @@ def update_from_disk_request(path: str, version: int) -> dict[str, Any]:
     return {"model_path": path, "flush_cache": True, "weight_version": str(version)}
 
 
+# SGLang's receivers read a bucket as one flat byte tensor (FlattenedTensorBucket) when told so.
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """SGLang's weights-update process group: rank 0 is the trainer, which hosts its TCP rendezvous
+    at ``master_address:master_port``; SGLang's workers are ranks 1 .. world_size - 1."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: str  # nccl between GPUs; gloo on CPU
+
+    def __post_init__(self):
+        if self.world_size < 2:
+            raise EngineError(f"a weights-update group needs the trainer and SGLang, not world size {self.world_size}")
+        if not self.group_name:
+            raise EngineError("a weights-update group needs a name")
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    """What one broadcast carries, in order: the tensors packed back to back in one byte buffer."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]  # torch dtype names without "torch.": bfloat16, float32, ...
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def init_group_request(group: WeightGroup) -> dict[str, Any]:
+    """Keyword arguments of ``InitWeightsUpdateGroupReqInput``; SGLang's workers take ranks 1.. ."""
+    return {"master_address": group.master_address, "master_port": group.master_port, "rank_offset": 1,
+            "world_size": group.world_size, "group_name": group.group_name, "backend": group.backend}
+
+
+def destroy_group_request(group: WeightGroup) -> dict[str, Any]:
+    """Keyword arguments of ``DestroyWeightsUpdateGroupReqInput``."""
+    return {"group_name": group.group_name}
+
+
+def update_from_distributed_request(bucket: BucketMeta, group: WeightGroup, version: int) -> dict[str, Any]:
+    """Keyword arguments of ``UpdateWeightsFromDistributedReqInput`` for one flattened bucket. The
+    cache is flushed once after the last bucket, not per bucket."""
+    return {"names": list(bucket.names), "dtypes": list(bucket.dtypes), "shapes": [list(s) for s in bucket.shapes],
+            "group_name": group.group_name, "flush_cache": False, "weight_version": str(version),
+            "load_format": FLATTENED_BUCKET}
+
+
+def begin_update_request() -> dict[str, Any]:
+    """Keyword arguments of ``BeginWeightUpdateReqInput`` (every runner: ``selector`` all)."""
+    return {}
+
+
+def end_update_request() -> dict[str, Any]:
+    """Keyword arguments of ``EndWeightUpdateReqInput``."""
+    return {}
+
+
 def pause_request() -> dict[str, Any]:
     """Keyword arguments of ``PauseGenerationReqInput``."""
     return {"mode": PAUSE_MODE}
@@ -157,6 +237,231 @@ def _sgl_request(name: str, kwargs: Mapping[str, Any]):
     return getattr(io_struct, name)(**kwargs)
 
 
+# Every control operation the adapter sends: SGLang's request class and its HTTP server's route. The
+# TokenizerManager method has the operation's name; tests/test_sglang_protocol.py checks all three
+# against SGLang's source.
+CONTROL_OPS = {
+    "pause_generation": ("PauseGenerationReqInput", "/pause_generation"),
+    "continue_generation": ("ContinueGenerationReqInput", "/continue_generation"),
+    "flush_cache": ("FlushCacheReqInput", "/flush_cache"),
+    "begin_weight_update": ("BeginWeightUpdateReqInput", "/begin_weight_update"),
+    "end_weight_update": ("EndWeightUpdateReqInput", "/end_weight_update"),
+    "init_weights_update_group": ("InitWeightsUpdateGroupReqInput", "/init_weights_update_group"),
+    "destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", "/destroy_weights_update_group"),
+    "update_weights_from_distributed": ("UpdateWeightsFromDistributedReqInput", "/update_weights_from_distributed"),
+    "update_weights_from_tensor": ("UpdateWeightsFromTensorReqInput", "/update_weights_from_tensor"),
+    "update_weights_from_disk": ("UpdateWeightFromDiskReqInput", "/update_weights_from_disk"),
+}
+# Operations SGLang answers with nothing to check (pause and continue return once done).
+_NO_VERDICT = ("pause_generation", "continue_generation")
+
+
+class SGLangControl(abc.ABC):
+    """Sends one of SGLang's control requests (``CONTROL_OPS``) and raises EngineError, naming the
+    operation and SGLang's message, when SGLang reports a failure."""
+
+    @abc.abstractmethod
+    async def send(self, op: str, kwargs: Mapping[str, Any]) -> None:
+        ...
+
+
+class TokenizerManagerControl(SGLangControl):
+    """SGLang in this process: its TokenizerManager, given SGLang's own request objects."""
+
+    def __init__(self, tm):
+        self._tm = tm
+
+    async def send(self, op: str, kwargs: Mapping[str, Any]) -> None:
+        if op == "flush_cache":  # the manager builds its FlushCacheReqInput itself
+            out = await self._tm.flush_cache(**kwargs)
+            ok, message = out.success, getattr(out, "message", "")
+        else:
+            obj = _sgl_request(CONTROL_OPS[op][0], kwargs)
+            out = await getattr(self._tm, op)(obj) if op in _NO_VERDICT else await getattr(self._tm, op)(obj, None)
+            if op in _NO_VERDICT:
+                return
+            ok, message = out[0], out[1]  # update_weights_from_disk adds a third: requests paused
+        if not ok:
+            raise EngineError(f"SGLang refused {op}: {message}")
+
+
+class HttpControl(SGLangControl):
+    """An SGLang HTTP server (``python -m sglang.launch_server``): each request's fields as its JSON
+    body, POSTed to the operation's route; a non-200 answer or ``success: false`` is a failure."""
+
+    def __init__(self, url: str, timeout_s: float, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+        self._api_key = api_key
+
+    async def send(self, op: str, kwargs: Mapping[str, Any]) -> None:
+        route = CONTROL_OPS[op][1]
+        if op == "flush_cache":  # a query parameter, not a body
+            route += "".join(f"?timeout={float(v)}" for k, v in kwargs.items() if k == "timeout_s" and v)
+            body = None
+        else:
+            body = json.dumps(dict(kwargs), default=_json_bytes).encode()
+        status, text = await asyncio.to_thread(self._post, route, body)
+        try:
+            answer = json.loads(text) if text else {}
+        except ValueError:
+            answer = {}
+        if status != 200 or (isinstance(answer, dict) and answer.get("success") is False):
+            message = answer.get("message") if isinstance(answer, dict) else None
+            raise EngineError(f"SGLang refused {op} (HTTP {status}): {message or text.strip()[:300]}")
+
+    def _post(self, route: str, body: bytes | None) -> tuple[int, str]:
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        req = urllib.request.Request(self.url + route, data=body if body is not None else b"", headers=headers,
+                                     method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError) as e:
+            raise EngineError(f"SGLang at {self.url} did not answer {route}: {getattr(e, 'reason', e)}") from None
+
+
+def _json_bytes(value):
+    """SGLang's HTTP server takes bytes fields (serialized tensors) as base64 strings."""
+    if isinstance(value, (bytes, bytearray)):
+        import base64
+
+        return base64.b64encode(value).decode()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+class SGLangWeightUpdates:
+    """Weight swaps on one SGLang engine, in SGLang 0.5.23's order: pause (``retract``: running
+    requests wait in SGLang's queue with their tokens, none fails), ``begin_weight_update``, the
+    loads, ``end_weight_update``, flush the prefix cache (its KV came from the old weights),
+    continue. ``version`` is the version SGLang serves now.
+
+    A distributed update loads bucket by bucket into the live model, so a stream that breaks after
+    a bucket has landed leaves a mix of two versions: then generation stays paused
+    (``paused_reason`` says why) until a later update succeeds; requests wait, none is served by
+    mixed weights. A failure before any bucket landed resumes the old weights.
+    """
+
+    def __init__(self, control: SGLangControl, group_ranks: int = 1):
+        self.control = control
+        self.group_ranks = int(group_ranks)  # SGLang's ranks in a weights-update group (its tp size)
+        self.version = 0
+        self.paused = False
+        self.paused_reason: str | None = None
+        self._groups: set[str] = set()
+        self._lock = asyncio.Lock()
+
+    async def pause(self) -> None:
+        await self.control.send("pause_generation", pause_request())
+        self.paused = True
+
+    async def resume(self) -> None:
+        await self.control.send("continue_generation", continue_request())
+        self.paused, self.paused_reason = False, None
+
+    async def flush_cache(self) -> None:
+        await self.control.send("flush_cache", {})
+
+    async def from_tensor(self, payload: bytes, version: int) -> None:
+        await self._swap([("update_weights_from_tensor", update_from_tensor_request(payload, version))], version)
+
+    async def from_disk(self, path: str, version: int) -> None:
+        """A checkpoint SGLang reads itself; no session (SGLang loads from disk without one)."""
+        async with self._lock:
+            was_paused = self.paused
+            if not was_paused:
+                await self.pause()
+            try:
+                await self.control.send("update_weights_from_disk", update_from_disk_request(path, version))
+            finally:
+                if not was_paused:
+                    await self.resume()
+            self.version = int(version)
+
+    async def init_group(self, group: WeightGroup) -> None:
+        """Make SGLang's workers join ``group`` (blocks until the trainer has joined too); once per
+        group name."""
+        if group.group_name in self._groups:
+            return
+        if group.world_size != self.group_ranks + 1:
+            raise EngineError(f"weights-update group '{group.group_name}' has world size {group.world_size}; "
+                              f"SGLang has {self.group_ranks} rank(s) beside the trainer's")
+        await self.control.send("init_weights_update_group", init_group_request(group))
+        self._groups.add(group.group_name)
+
+    async def forget_group(self, group: WeightGroup) -> None:
+        """After a failed stream: ask SGLang to drop the group (best effort: it may be broken)."""
+        if group.group_name in self._groups:
+            self._groups.discard(group.group_name)
+            try:
+                await self.control.send("destroy_weights_update_group", destroy_group_request(group))
+            except EngineError as e:
+                log.warning("SGLang kept weights-update group %s: %s", group.group_name, e)
+
+    async def from_distributed(self, group: WeightGroup, buckets: AsyncIterator[BucketMeta], version: int) -> int:
+        """Load ``version`` bucket by bucket while the trainer broadcasts each one over ``group``
+        (already joined: ``init_group``); returns the number of buckets. ``buckets`` ends after the
+        last one, or raises why the stream failed."""
+        loaded = 0
+
+        async def load():
+            nonlocal loaded
+            async for bucket in buckets:
+                await self.control.send("update_weights_from_distributed",
+                                        update_from_distributed_request(bucket, group, version))
+                loaded += 1
+            return loaded
+
+        await self._swap(load, version, loaded_any=lambda: loaded > 0)
+        return loaded
+
+    async def _swap(self, loads, version: int, loaded_any=lambda: True) -> None:
+        """Pause, begin, ``loads`` (a list of (op, kwargs) or a coroutine function), end, flush,
+        continue; see the class docstring for failures."""
+        async with self._lock:
+            was_paused = self.paused and self.paused_reason is None
+            if not self.paused:
+                await self.pause()
+            begun = False
+            try:
+                await self.control.send("begin_weight_update", begin_update_request())
+                begun = True
+                if callable(loads):
+                    await loads()
+                else:
+                    for op, kwargs in loads:
+                        await self.control.send(op, kwargs)
+                begun = False
+                await self.control.send("end_weight_update", end_update_request())
+                await self.flush_cache()
+            except BaseException as e:  # a cancelled load (its sender failed) too
+                if begun:
+                    try:
+                        await self.control.send("end_weight_update", end_update_request())
+                    except EngineError as end_error:
+                        log.warning("SGLang did not close the weight-update session: %s", end_error)
+                if loaded_any() or self.paused_reason is not None:
+                    self.paused_reason = (f"weight version {version} failed after part of it was loaded "
+                                          f"({_one_line(e)}); generation stays paused until an update succeeds")
+                    log.error("SGLang %s", self.paused_reason)
+                elif not was_paused:
+                    await self.resume()
+                raise
+            self.version = int(version)
+            self.paused_reason = None
+            if not was_paused:
+                await self.resume()
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:300] or type(e).__name__
+
+
 class SGLangEngine(Engine):
     def __init__(self, cfg: ClawrlConfig):
         sgl = _import_sglang()
@@ -181,13 +486,17 @@ class SGLangEngine(Engine):
         eos = hf_cfg.eos_token_id
         self.eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
                                *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])})
-        self.weight_version = 0
         self._live: set[str] = set()
-        self._paused = False
+        # SGLang is started with its default tensor-parallel size 1: one rank joins a weights-update group
+        self.weight_updates = SGLangWeightUpdates(TokenizerManagerControl(self._sgl.tokenizer_manager), group_ranks=1)
 
     @property
     def _tm(self):
         return self._sgl.tokenizer_manager
+
+    @property
+    def weight_version(self) -> int:
+        return self.weight_updates.version
 
     async def start(self) -> None:
         """SGLang starts its workers in the constructor."""
@@ -248,47 +557,29 @@ class SGLangEngine(Engine):
 
     async def pause(self) -> None:
         """SGLang's ``retract`` pause: running requests go back to its queue with their tokens."""
-        await self._tm.pause_generation(_sgl_request("PauseGenerationReqInput", pause_request()))
-        self._paused = True
+        await self.weight_updates.pause()
 
     async def resume(self) -> None:
-        await self._tm.continue_generation(_sgl_request("ContinueGenerationReqInput", continue_request()))
-        self._paused = False
+        await self.weight_updates.resume()
 
     async def flush_cache(self) -> None:
-        out = await self._tm.flush_cache()
-        if not out.success:
-            raise EngineError(f"SGLang did not flush its cache: {getattr(out, 'message', '')}")
-
-    async def _swap(self, call, version: int) -> None:
-        """Pause, load, continue: requests in flight wait in SGLang's queue and none fails."""
-        was_paused = self._paused
-        if not was_paused:
-            await self.pause()
-        try:
-            ok, message = await call
-        finally:
-            if not was_paused:
-                await self.resume()
-        if not ok:
-            raise EngineError(f"SGLang refused the weights: {message}")
-        self.weight_version = int(version)
+        await self.weight_updates.flush_cache()
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = MultiprocessingSerializer.serialize(list(state.items()))
-        obj = _sgl_request("UpdateWeightsFromTensorReqInput", update_from_tensor_request(payload, version))
-        await self._swap(self._tm.update_weights_from_tensor(obj, None), version)
+        await self.weight_updates.from_tensor(MultiprocessingSerializer.serialize(list(state.items())), version)
 
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         """Load a checkpoint SGLang reads itself (HF layout at ``path``), as ``version``."""
-        obj = _sgl_request("UpdateWeightFromDiskReqInput", update_from_disk_request(path, version))
-        await self._swap(self._tm.update_weights_from_disk(obj, None), version)
+        await self.weight_updates.from_disk(path, version)
 
     async def health(self) -> dict:
-        return {"ok": True, "backend": "sglang", "running": len(self._live), "waiting": 0,
-                "paused": self._paused, "weight_version": self.weight_version}
+        out = {"ok": True, "backend": "sglang", "running": len(self._live), "waiting": 0,
+               "paused": self.weight_updates.paused, "weight_version": self.weight_version}
+        if self.weight_updates.paused_reason:
+            out["paused_reason"] = self.weight_updates.paused_reason
+        return out
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.name, self.path, self.architecture, self.vocab_size, self.max_context,
