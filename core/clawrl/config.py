@@ -257,6 +257,9 @@ class ClusterConfig:
                             ge=0, le=65535)
     bucket_mb: int = option(256, "Weight-sync bucket size: HF-named tensors are streamed in buckets of at most "
                             "this many MB.", ge=1)
+    sglang_group_port: int = option(0, "With engine.backend=sglang: port on MASTER_ADDR where trainer rank 0 hosts "
+                                    "the rendezvous of SGLang's weights-update group (SGLang's workers join it to "
+                                    "receive weights); 0: MASTER_PORT + 3.", ge=0, le=65535)
     ray: bool = option(False, "Place serving engines with Ray (an existing cluster at ray_address, or a local one).")
     ray_address: str = option("auto", "Ray cluster: auto (RAY_ADDRESS, else a new local one) | local | host:port | "
                               "ray://host:port.", pattern=r"auto|local|([A-Za-z][A-Za-z0-9+.-]*://)?\S+:\d+",

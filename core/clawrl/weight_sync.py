@@ -12,14 +12,20 @@ leaves the engine serving the version it served before.
 - ``BroadcastWeightSync``: the trainer's ranks run in other processes or on other nodes and rank 0
   streams HF-named buckets over a process group of its own into this process
   (``clawrl.weight_transport`` has the wire, the staging and the failure rules).
+- ``SGLangWeightSync``: the engine is SGLang (``engine.backend=sglang``) and the trainer's ranks run
+  in other processes: rank 0 broadcasts buckets over SGLang's own weights-update group, and this
+  process asks SGLang to receive each one (``clawrl.weight_transport_sglang``).
 """
 from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import logging
 import threading
 import time
+import uuid
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -28,6 +34,7 @@ from clawrl.config import ClusterConfig
 from clawrl.engines.base import Engine
 from clawrl.weight_transport import (MB, BucketReceiver, ServedWeights, SyncEndpoint, WeightSyncError, one_line,
                                      host_store)
+from clawrl.weight_transport_sglang import SGLangGroupEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +210,151 @@ class BroadcastWeightSync(WeightTransport):
     def close(self) -> None:
         """Release the group and stop hosting the store."""
         self._retire_group()
+        self._store = None
+
+
+class SGLangWeightSync(WeightTransport):
+    """Weights from trainer rank 0 (another process) into an SGLang engine over SGLang's
+    weights-update group (``clawrl.weight_transport_sglang``).
+
+    ``updates`` is the engine's ``SGLangWeightUpdates`` (pause, session, loads, flush, continue).
+    The driver hosts the store for the bucket headers on ``host:port``; rank 0 hosts the group's
+    rendezvous on ``group_host:group_port``. SGLang joins the group once (on the first push, while
+    rank 0 joins); after a failed push the group is dropped on both sides and the next push forms
+    the next generation's. Each bucket header is checked against the names and shapes the engine
+    serves before SGLang is asked to receive it.
+    """
+
+    def __init__(self, updates, served: ServedWeights, cluster: ClusterConfig, host: str, port: int,
+                 group_host: str, group_port: int, backend: str = "nccl"):
+        self.updates = updates
+        self.served = served
+        self.version = updates.version
+        self.last_sync_ms: float | None = None
+        self._timeout_s = float(cluster.timeout_s)
+        self._bucket_bytes = int(cluster.bucket_mb) * MB
+        self._host, self._group_host, self._group_port, self._backend = host, group_host, int(group_port), backend
+        self._store = host_store(host, port, self._timeout_s)
+        self._generation = 0
+        self._token = uuid.uuid4().hex[:8]
+        self._lock = asyncio.Lock()
+
+    @property
+    def endpoint(self) -> SGLangGroupEndpoint:
+        return SGLangGroupEndpoint(self._host, self._store.port, self._generation, self._group_host, self._group_port,
+                                   self.updates.group_ranks + 1, self._backend, self._timeout_s, self._bucket_bytes,
+                                   self._token)
+
+    def _group(self, endpoint: SGLangGroupEndpoint):
+        from clawrl.engines.sglang_engine import WeightGroup
+
+        return WeightGroup(endpoint.master_address, endpoint.master_port, endpoint.world_size, endpoint.group_name,
+                           endpoint.backend)
+
+    async def push(self, source: StreamsWeights, version: int) -> float:
+        """Serve ``version`` while ``source`` streams it; the trainer's side runs in a worker thread."""
+        from clawrl.engines.base import EngineError
+
+        async with self._lock:
+            self._refuse_stale(version)
+            endpoint = self.endpoint
+            group = self._group(endpoint)
+            started = time.perf_counter()
+            sending = _in_thread(source.send_weights, version, endpoint)
+            try:
+                await self._race(self.updates.init_group(group), sending, "SGLang's join of the group")
+                buckets = await self._race(self.updates.from_distributed(group, self._headers(endpoint, version),
+                                                                         version), sending, "the load")
+                await asyncio.wait_for(sending, self._timeout_s)
+            except (EngineError, WeightSyncError, asyncio.TimeoutError) as e:
+                await self._retire(group)
+                if not sending.done():  # SGLang dropped the group: the sender fails now, or at its timeout
+                    await asyncio.wait((sending,), timeout=_RECEIVER_GRACE_S)
+                sender = sending.exception() if sending.done() and not sending.cancelled() else None
+                also = f" (the sender: {one_line(sender)})" if sender is not None and one_line(sender) not in str(e) \
+                    else ""
+                raise WeightSyncError(f"weight version {version} was not served by SGLang: {one_line(e)}{also}") from e
+            self.version = version
+            self.last_sync_ms = (time.perf_counter() - started) * 1000.0
+            log.info("weight version %d served by SGLang: %d buckets over %s in %.0f ms", version, buckets,
+                     endpoint.describe(), self.last_sync_ms)
+            return self.last_sync_ms
+
+    async def _race(self, work, sending: asyncio.Future, what: str):
+        """``work``, unless the sender fails first (then SGLang may wait forever for a broadcast)."""
+        task = asyncio.ensure_future(work)
+        await asyncio.wait((task, sending), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and sending.exception() is not None:
+            await asyncio.wait((task,), timeout=_RECEIVER_GRACE_S)
+            if not task.done():
+                task.cancel()
+                raise WeightSyncError(f"the weight sender failed during {what}: {one_line(sending.exception())}")
+        return await task
+
+    async def _headers(self, endpoint: SGLangGroupEndpoint, version: int):
+        """The bucket layouts rank 0 posts, in order, each checked against what the engine serves;
+        ends at the end marker (whose counts must match), raises on ``abort`` or a timeout."""
+        from clawrl.engines.sglang_engine import BucketMeta
+
+        seen: set[str] = set()
+        index = 0
+        while True:
+            key = endpoint.key(version, index)
+            try:
+                raw = await asyncio.to_thread(self._get, key)
+                header = json.loads(raw)
+                kind = header["kind"]
+            except WeightSyncError:
+                raise
+            except Exception:
+                raise WeightSyncError(f"malformed bucket header {key}") from None
+            if header.get("version") != version:
+                raise WeightSyncError(f"rank 0 streamed weight version {header.get('version')}, expected {version}")
+            if kind == "abort":
+                raise WeightSyncError(f"the sender aborted: {header.get('reason')}")
+            if kind == "end":
+                missing = sorted(self.served.required - seen)
+                if missing:
+                    raise WeightSyncError(f"the stream ended without {len(missing)} parameters the engine serves: "
+                                          f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}")
+                if (header.get("buckets"), header.get("tensors")) != (index, len(seen)):
+                    raise WeightSyncError(f"the sender counted {header.get('buckets')} buckets and "
+                                          f"{header.get('tensors')} tensors; {index} and {len(seen)} arrived")
+                return
+            if kind != "bucket":
+                raise WeightSyncError(f"unknown message kind '{kind}'")
+            try:
+                names, dtypes = [str(n) for n in header["names"]], [str(d) for d in header["dtypes"]]
+                shapes = [tuple(int(x) for x in s) for s in header["shapes"]]
+                assert len(names) == len(dtypes) == len(shapes) > 0
+            except Exception:
+                raise WeightSyncError(f"malformed bucket header {key}") from None
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                self.served.check(name, shape)
+                if name in seen:
+                    raise WeightSyncError(f"'{name}' arrived twice")
+                if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                    raise WeightSyncError(f"'{name}' has unknown dtype '{dtype}'")
+                seen.add(name)
+            index += 1
+            yield BucketMeta(tuple(names), tuple(dtypes), tuple(shapes))
+
+    def _get(self, key: str) -> bytes:
+        try:
+            self._store.wait([key], timedelta(seconds=self._timeout_s))
+            value = self._store.get(key)
+            self._store.delete_key(key)
+            return value
+        except Exception as e:
+            raise WeightSyncError(f"no bucket header {key} from rank 0 within {self._timeout_s:g} s: "
+                                  f"{one_line(e)}") from e
+
+    async def _retire(self, group) -> None:
+        """After a failure: SGLang forgets this generation's group; the next push forms a new one."""
+        await self.updates.forget_group(group)
+        self._generation += 1
+
+    def close(self) -> None:
         self._store = None
 
 

@@ -111,6 +111,10 @@ class SyncEndpoint:
     def describe(self) -> str:
         return f"weight-sync group {self.prefix} at {self.host}:{self.port}"
 
+    def open_sender(self) -> "BucketSender":
+        """Rank 0's sender for this endpoint (``SGLangGroupEndpoint`` opens its own kind)."""
+        return BucketSender(self)
+
 
 def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """The driver's store for every weight-sync group; port 0 takes a free one (read ``.port``)."""

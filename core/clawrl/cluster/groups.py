@@ -11,6 +11,8 @@
   its own and never registered with torch.distributed, so none of the world's collectives waits for
   its members: the weight-sync group between trainer rank 0 and the serving engine's process
   (``clawrl.weight_transport``).
+- ``sglang_update_group``: rank 0 of SGLang's weights-update group, the group SGLang's workers
+  join on ``init_weights_update_group`` (``clawrl.weight_transport_sglang``).
 """
 from __future__ import annotations
 
@@ -97,3 +99,29 @@ def standalone_group(store: dist.Store, prefix: str, rank: int, world_size: int,
     options._timeout = timeout
     with _nccl_env_for_this_group():
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+
+
+def sglang_update_group(master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
+                        timeout_s: float) -> dist.ProcessGroup:
+    """Rank 0 of SGLang's weights-update group: hosts its TCP rendezvous at
+    ``master_address:master_port`` and blocks until SGLang's workers (ranks 1..) have joined, at most
+    ``timeout_s``. Formed as SGLang 0.5.23's ``init_custom_process_group`` forms its side
+    (``tcp://`` rendezvous, a ``PrefixStore`` named after the group, torch's process-group helper),
+    so both sides build the same store keys; tests/test_sglang_distributed.py runs SGLang's own
+    function against this one. Used through ``dist.broadcast(..., group=...)``."""
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    host = f"[{master_address}]" if ":" in master_address else master_address
+    store, rank, world = next(rendezvous(f"tcp://{host}:{master_port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    if backend == "nccl":
+        with _nccl_env_for_this_group():
+            group, _ = _new_process_group_helper(world, rank, [], Backend(backend), store, group_name=group_name,
+                                                 backend_options=None, timeout=timeout)
+    else:
+        group, _ = _new_process_group_helper(world, rank, [], Backend(backend), store, group_name=group_name,
+                                             backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world)}
+    return group

@@ -91,7 +91,7 @@ def read_node_env(cfg: ClawrlConfig, environ: Mapping[str, str] | None = None) -
     elif nnodes > 1:
         port = DEFAULT_MASTER_PORT
     else:
-        port = _free_ports(addr, 3)
+        port = _free_ports(addr, 4)  # MASTER_PORT, control, sync, SGLang's weights-update group
     control = cfg.cluster.control_port or port + 1
     sync = cfg.cluster.sync_port or port + 2
     for name, value in (("MASTER_PORT", port), ("cluster.control_port", control), ("cluster.sync_port", sync)):

@@ -436,12 +436,10 @@ class MegatronRanks:
             for _ in tensors:
                 pass
             return
-        from clawrl.weight_transport import BucketSender
-
         if self._sender is None or self._sender.endpoint != endpoint:
             if self._sender is not None:
                 self._sender.close()
-            self._sender = BucketSender(endpoint)
+            self._sender = endpoint.open_sender()  # clawrl's receiver, or SGLang's weights-update group
         try:
             self._sender.send(version, tensors)
         except Exception:

@@ -23,7 +23,9 @@ from clawrl.config import ClawrlConfig, ConfigError
 from clawrl.engines.base import Engine
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
-from clawrl.weight_sync import BroadcastWeightSync
+from clawrl.engines.sglang_engine import SGLangWeightUpdates
+from clawrl.weight_sync import BroadcastWeightSync, SGLangWeightSync
+from clawrl.weight_transport import ServedWeights
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +83,19 @@ class MegatronTrainer(Trainer):
         with self._lock:
             self._call("send_weights", version, endpoint)
 
-    def weight_sync(self, engine: Engine) -> BroadcastWeightSync:
+    def weight_sync(self, engine: Engine) -> BroadcastWeightSync | SGLangWeightSync:
         """Weights cross processes: a ``BroadcastWeightSync`` hosted on this node. NCCL when the
         engine's GPU is not one the trainer ranks use; CUDA IPC when it shares rank 0's GPU (NCCL
-        cannot put two ranks on one device); gloo through host memory on CPU."""
+        cannot put two ranks on one device); gloo through host memory on CPU. An SGLang engine
+        receives over SGLang's own weights-update group instead (``SGLangWeightSync``), whose
+        rendezvous rank 0 hosts on ``cluster.sglang_group_port``."""
+        if isinstance(getattr(engine, "weight_updates", None), SGLangWeightUpdates):
+            info = engine.model_info()
+            return SGLangWeightSync(engine.weight_updates, ServedWeights.of_model_dir(info.path), self.cfg.cluster,
+                                    host=self.node.master_addr, port=self.node.sync_port,
+                                    group_host=self.node.master_addr,
+                                    group_port=self.cfg.cluster.sglang_group_port or self.node.master_port + 3,
+                                    backend="nccl" if torch.cuda.is_available() else "gloo")
         device = torch.device(engine.model_info().device)
         separate_gpu = device.type == "cuda" and (device.index or 0) >= self.node.procs
         backend = "nccl" if separate_gpu else "ipc" if device.type == "cuda" else "gloo"
