@@ -252,6 +252,34 @@ def test_weight_updates_session_order_for_tensor_and_disk_loads():
     asyncio.run(updates.pause())  # paused by the operator: an update leaves it paused
     asyncio.run(updates.from_tensor(b"p", 5))
     assert rec.sent[-1] == "flush_cache" and updates.paused and updates.version == 5
+    asyncio.run(updates.resume())
+
+
+def test_a_refused_session_resumes_and_a_refused_load_stays_paused():
+    class Refuse:
+        def __init__(self, op):
+            self.op, self.sent = op, []
+
+        async def send(self, op, kwargs):
+            self.sent.append(op)
+            if op == self.op:
+                raise EngineError(f"SGLang refused {op}: no")
+
+    rec = Refuse("begin_weight_update")  # nothing reached the model: the old weights serve on
+    updates = SGLangWeightUpdates(rec)
+    with pytest.raises(EngineError, match="refused begin_weight_update"):
+        asyncio.run(updates.from_tensor(b"p", 1))
+    assert rec.sent == ["pause_generation", "begin_weight_update", "continue_generation"]
+    assert not updates.paused and updates.version == 0
+    rec = Refuse("update_weights_from_tensor")  # a load that failed may have applied in part
+    updates = SGLangWeightUpdates(rec)
+    with pytest.raises(EngineError, match="refused update_weights_from_tensor"):
+        asyncio.run(updates.from_tensor(b"p", 1))
+    assert rec.sent == ["pause_generation", "begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
+    assert updates.paused and "weight version 1 failed after part of it was loaded" in updates.paused_reason
+    rec.op = None  # the next update succeeds and resumes
+    asyncio.run(updates.from_tensor(b"p", 2))
+    assert rec.sent[-1] == "continue_generation" and not updates.paused and updates.paused_reason is None
 
 
 def test_the_megatron_trainer_hands_an_sglang_engine_its_group(tmp_path):

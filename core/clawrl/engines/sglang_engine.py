@@ -419,14 +419,17 @@ class SGLangWeightUpdates:
         await self._swap(load, version, loaded_any=lambda: loaded > 0)
         return loaded
 
-    async def _swap(self, loads, version: int, loaded_any=lambda: True) -> None:
-        """Pause, begin, ``loads`` (a list of (op, kwargs) or a coroutine function), end, flush,
-        continue; see the class docstring for failures."""
+    async def _swap(self, loads, version: int, loaded_any=None) -> None:
+        """Pause, begin, ``loads`` (a list of (op, kwargs), or a coroutine function with
+        ``loaded_any`` telling whether any of its loads reached the model), end, flush, continue;
+        see the class docstring for failures."""
         async with self._lock:
             was_paused = self.paused and self.paused_reason is None
             if not self.paused:
                 await self.pause()
-            begun = False
+            begun = sent = False
+            if loaded_any is None:
+                loaded_any = lambda: sent  # noqa: E731 (a load sent and failed may have applied in part)
             try:
                 await self.control.send("begin_weight_update", begin_update_request())
                 begun = True
@@ -434,6 +437,7 @@ class SGLangWeightUpdates:
                     await loads()
                 else:
                     for op, kwargs in loads:
+                        sent = True
                         await self.control.send(op, kwargs)
                 begun = False
                 await self.control.send("end_weight_update", end_update_request())
