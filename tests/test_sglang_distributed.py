@@ -291,6 +291,7 @@ def test_the_megatron_trainer_hands_an_sglang_engine_its_group(tmp_path):
     from transformers import LlamaConfig
 
     from clawrl.config import compose
+    from clawrl.trainers.base import TrainerError
     from clawrl.trainers.megatron.trainer import MegatronTrainer
     from clawrl.weight_transport_sglang import SGLangGroupEndpoint
 
@@ -301,8 +302,16 @@ def test_the_megatron_trainer_hands_an_sglang_engine_its_group(tmp_path):
         async def send(self, op, kwargs):
             raise AssertionError("nothing is sent to SGLang before a push")
 
+    device = "cuda:0"
     engine = SimpleNamespace(weight_updates=SGLangWeightUpdates(Refuses()),
-                             model_info=lambda: SimpleNamespace(path=str(tmp_path), device="cuda"))
+                             model_info=lambda: SimpleNamespace(path=str(tmp_path), device=device))
+    trainer = MegatronTrainer.__new__(MegatronTrainer)
+    trainer.cfg = compose(["engine.backend=sglang", "trainer.backend=megatron"])
+    trainer.node = SimpleNamespace(master_addr="127.0.0.1", master_port=20000, sync_port=_free_port(), procs=1)
+    with pytest.raises(TrainerError, match=r"SGLang serves on GPU 0, which a trainer rank of this node uses; .* "
+                                           r"set model.device=cuda:N with N >= 1"):
+        trainer.weight_sync(engine)
+    device = "cuda:1"
     for override, port in (([], 20003), (["cluster.sglang_group_port=29999"], 29999)):
         trainer = MegatronTrainer.__new__(MegatronTrainer)
         trainer.cfg = compose(["engine.backend=sglang", "trainer.backend=megatron", *override])

@@ -98,6 +98,22 @@ def test_every_request_field_is_a_field_of_sglangs_class(src):
     assert "str" in ast.unparse(_fields(classes, "UpdateWeightsFromTensorReqInput")["weight_version"].annotation)
 
 
+def test_engine_arguments_are_fields_of_sglangs_server_args(src):
+    """``sglang.Engine(**kwargs)`` takes ServerArgs fields, declared in arg_groups/fields/*.py."""
+    from clawrl.config import compose
+
+    declared = set()
+    for f in (src / "srt/arg_groups/fields").glob("*.py"):
+        for cls in _classes(f).values():
+            declared |= {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    for overrides, extra in (([], {}), (["model.device=cuda:2", "model.dtype=bfloat16", "engine.max_context=512"],
+                                        {"base_gpu_id": 2, "dtype": "bfloat16", "context_length": 512}),
+                             (["model.device=cpu"], {"device": "cpu"})):
+        kwargs = se.engine_kwargs(compose(["engine.backend=sglang", *overrides]), "/m")
+        assert set(kwargs) <= declared, f"ServerArgs has no {sorted(set(kwargs) - declared)}"
+        assert kwargs == {"model_path": "/m", "skip_tokenizer_init": True, "random_seed": kwargs["random_seed"], **extra}
+
+
 def test_sampling_params_are_sglangs(src):
     fields = _fields(_classes(src / "srt/sampling/sampling_params.py"), "SamplingParams")
     for reqs in _requests().values():

@@ -230,6 +230,26 @@ def parse_chunk(meta: Mapping[str, Any], seen: int, top_logprobs: int, fallback_
     return chunk, seen + new
 
 
+def gpu_index(device: str) -> int:
+    """The GPU SGLang starts on: N of ``model.device=cuda:N``, else 0 (SGLang's default)."""
+    return int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
+
+
+def engine_kwargs(cfg: ClawrlConfig, path: str) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` (fields of SGLang's ServerArgs): token ids only, the
+    run's seed, and the model's dtype, device and context where set."""
+    kwargs: dict[str, Any] = dict(model_path=path, skip_tokenizer_init=True, random_seed=cfg.seed)
+    if cfg.model.dtype != "auto":
+        kwargs["dtype"] = cfg.model.dtype
+    if cfg.engine.max_context:
+        kwargs["context_length"] = cfg.engine.max_context
+    if cfg.model.device == "cpu":
+        kwargs["device"] = "cpu"
+    elif cfg.model.device.startswith("cuda:"):
+        kwargs["base_gpu_id"] = gpu_index(cfg.model.device)
+    return kwargs
+
+
 def _sgl_request(name: str, kwargs: Mapping[str, Any]):
     """One of SGLang's own request classes, constructed (and so validated) from ``kwargs``."""
     from sglang.srt.managers import io_struct
@@ -475,12 +495,8 @@ class SGLangEngine(Engine):
             hf_cfg = AutoConfig.from_pretrained(path)
         except Exception as e:
             raise ModelLoadError(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        kwargs = dict(model_path=path, skip_tokenizer_init=True, random_seed=cfg.seed)
-        if cfg.model.dtype != "auto":
-            kwargs["dtype"] = cfg.model.dtype
-        if cfg.engine.max_context:
-            kwargs["context_length"] = cfg.engine.max_context
-        self._sgl = sgl.Engine(**kwargs)
+        self._sgl = sgl.Engine(**engine_kwargs(cfg, path))
+        self.device = "cpu" if cfg.model.device == "cpu" else f"cuda:{gpu_index(cfg.model.device)}"
         self.model = None  # the weights live in SGLang's worker process
         self.max_context = cfg.engine.max_context or int(hf_cfg.max_position_embeddings)
         self.vocab_size = int(hf_cfg.vocab_size)
@@ -587,4 +603,4 @@ class SGLangEngine(Engine):
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.name, self.path, self.architecture, self.vocab_size, self.max_context,
-                         self.eos_ids, self.weight_version, "cuda", "auto")
+                         self.eos_ids, self.weight_version, self.device, "auto")

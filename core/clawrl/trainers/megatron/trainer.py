@@ -91,6 +91,11 @@ class MegatronTrainer(Trainer):
         rendezvous rank 0 hosts on ``cluster.sglang_group_port``."""
         if isinstance(getattr(engine, "weight_updates", None), SGLangWeightUpdates):
             info = engine.model_info()
+            device = torch.device(info.device)
+            if device.type == "cuda" and (device.index or 0) < self.node.procs:
+                raise TrainerError(f"SGLang serves on GPU {device.index or 0}, which a trainer rank of this node uses; "
+                                   "NCCL cannot join two ranks of SGLang's weights-update group on one GPU: set "
+                                   f"model.device=cuda:N with N >= {self.node.procs}")
             return SGLangWeightSync(engine.weight_updates, ServedWeights.of_model_dir(info.path), self.cfg.cluster,
                                     host=self.node.master_addr, port=self.node.sync_port,
                                     group_host=self.node.master_addr,
