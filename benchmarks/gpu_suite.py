@@ -42,7 +42,10 @@ users chat through ``openclaw-combine/run.sh`` and the trainer shares the GPU, a
 ``train.max_weight_lag``, against fixed-size train steps in the same run (only when asked for by
 name: it starts two servers).
 
-    python benchmarks/gpu_suite.py --part decode|prefill|serving|train|sync|all|staleness [--shape qwen3-1.7b|qwen3-0.6b|tiny]
+Hybrid (``gpu_hybrid.py``): a Qwen3-Next-style hybrid linear-attention model against the attention-only
+shape of the same size, decode, prefill and training throughput (only when asked for by name).
+
+    python benchmarks/gpu_suite.py --part decode|prefill|serving|train|sync|all|staleness|hybrid [--shape qwen3-1.7b|qwen3-0.6b|tiny]
 """
 from __future__ import annotations
 
@@ -542,6 +545,10 @@ def table(results: dict) -> str:
         if "tok_s" in meg:
             lines.append(f"| clawrl megatron backend (1 rank; {meg['ratio_to_torch']:.2f}x the torch trainer) "
                          f"| {meg['tok_s']:.0f} | {meg['mfu']:.1%} | {meg['ratio_to_hf']:.2f} | {meg['peak_mem_gib']:.1f} |")
+    if results.get("hybrid"):
+        from gpu_hybrid import hybrid_table
+
+        lines += hybrid_table(results["hybrid"])
     serving = [k for k in results if k == "serving" or k.startswith("serving_")]
     if serving:
         lines += ["", "| concurrent chats | gateway tok/s | engine direct tok/s | gateway / direct "
@@ -558,7 +565,8 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "sync", "staleness", "all"), default="all")
+    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "sync", "staleness", "hybrid", "all"),
+                    default="all")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="model shape (default: qwen3-1.7b on a GPU, tiny on a CPU)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
@@ -598,7 +606,13 @@ def main(argv=None) -> int:
         from gpu_staleness import run_staleness
 
         results["staleness"] = {**run_staleness(SHAPES[shape], device), **stamp, "shape": shape}
-    if args.part in ("train", "sync", "staleness"):
+    if args.part == "hybrid":  # not in "all": two more models, served and trained
+        from gpu_hybrid import run_hybrid
+
+        def words(model_dir: Path) -> None:
+            save_tokenizer(train_tokenizer(["the model has random weights"] * 8, vocab_size=300), model_dir, 8192)
+        results["hybrid"] = {**run_hybrid(build_model, shape, device, args.repeat, words), **stamp, "shape": shape}
+    if args.part in ("train", "sync", "staleness", "hybrid"):
         return write_results(out, results, stamp, shape, t0)
     model = build_model(shape, device)
     lm = loaded_model(model, shape)

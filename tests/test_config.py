@@ -413,14 +413,14 @@ def test_choices_match_what_core_accepts():
     from clawrl.config import ClawrlConfig, _leaves
     from clawrl.demo.users import USERS
     from clawrl.envs import sandbox
-    from clawrl.engines import static_decode
+    from clawrl.engines import delta_rule, static_decode
     from clawrl.envs import source as env_source
     from clawrl.envs.swe import env as swe_env
     from clawrl.judges.hints import HINT_KINDS
     from clawrl.losses import AGGREGATION_MODES, GROUP_MODES
     from clawrl.losses.kl import KL_ESTIMATORS
     from clawrl.trainers import base as trainers
-    from clawrl.trainers import torch_trainer
+    from clawrl.trainers import compiled_layers, torch_trainer
     from clawrl.trainers.objective import TOPK_KL
 
     core = {
@@ -432,6 +432,7 @@ def test_choices_match_what_core_accepts():
         "sandbox.backend": sandbox.BACKEND_CHOICES, "env.sample_mode": env_source.SAMPLE_MODES,
         "env.step_judge": env_source.STEP_JUDGES, "engine.decode_attention": static_decode.ATTENTIONS,
         "train.param_dtype": ("auto", *torch_trainer.PARAM_DTYPES), "env.swe_reward": swe_env.REWARDS,
+        "model.linear_attention": delta_rule.CHOICES, "train.compile": compiled_layers.MODES,
     }
     choices = {key: f.metadata["choices"] for key, f in _leaves(ClawrlConfig) if f.metadata.get("choices")}
     for key, accepted in core.items():

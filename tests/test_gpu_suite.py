@@ -104,3 +104,20 @@ def test_gpu_rollouts_runs_tiny_on_cpu(tmp_path):
     assert r["episodes"] >= 2 and r["episodes"] % 2 == 0 and r["episodes_per_min"] > 0
     assert r["counts"]["ok"] == r["episodes"] and r["turns_per_episode"] >= 1  # no episode failed
     assert r["command"].startswith("python benchmarks/gpu_rollouts.py --seconds 0.5")
+
+
+def test_gpu_suite_hybrid_part_runs_tiny_on_cpu(tmp_path, capsys):
+    suite = load_suite()
+    out = tmp_path / "r.json"
+    assert suite.main(["--part", "hybrid", "--shape", "tiny", "--repeat", "1", "--out", str(out)]) == 0
+    h = json.loads(out.read_text())["hybrid"]
+    assert h["kernels"] == "torch" and h["commit"] and h["command"].startswith("python benchmarks/gpu_suite.py")
+    assert h["hybrid"]["static_decode"] is False and h["hybrid_params"] > 0 and h["attention_params"] > 0
+    for name in ("hybrid", "attention"):
+        for n in (1, 4):
+            assert h[name][f"streams_{n}"]["tok_s"] > 0 and h[name][f"streams_{n}"]["hf_tok_s"] > 0
+        assert h[name]["prefill_ms"] > 0 and h[name]["train"]["tok_s"] > 0
+    assert h["hybrid"]["train"]["micro_batches"] == 1 and not h["hybrid"]["train"]["packed_attention"]
+    assert h["decode_ratio_streams_4"] == pytest.approx(h["hybrid"]["streams_4"]["tok_s"] / h["attention"]["streams_4"]["tok_s"],
+                                                        rel=1e-2)
+    assert "| hybrid (torch kernels) vs attention-only" in capsys.readouterr().out
