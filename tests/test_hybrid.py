@@ -190,3 +190,46 @@ def test_fla_asked_for_where_it_cannot_run_is_a_clear_error():
     with pytest.raises(delta_rule.DeltaRuleUnavailable, match="CUDA device"):
         delta_rule.resolve("fla", torch.device("cpu"))
     assert delta_rule.resolve("auto", torch.device("cpu")).name == "torch"
+
+
+def test_the_fla_adapter_passes_fla_its_layout(monkeypatch):
+    """FlaDeltaRule against stand-ins with fla's signatures (HF's reference functions behind them), so
+    the layout it hands the Triton kernels -- one row with ``cu_seqlens``, a state per sequence, one
+    dtype for q/k/v/beta, fp32 decays -- is checked here; the kernels themselves in test_hybrid_cuda."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    def chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu):
+        assert q.shape[0] == 1 and initial_state.shape[0] == len(cu_seqlens) - 1 and output_final_state
+        assert q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == torch.float32
+        assert scale == q.shape[-1] ** -0.5 and cu_seqlens_cpu.tolist() == cu_seqlens.tolist()
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(cu_seqlens_cpu[:-1].tolist(), cu_seqlens_cpu[1:].tolist())):
+            o, f = hf.torch_chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                                   initial_state=initial_state[i: i + 1], output_final_state=True)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, 1), torch.cat(finals)
+
+    def recurrent(q, k, v, g, beta, scale, initial_state, output_final_state):
+        assert q.shape[1] == 1 and q.dtype == v.dtype and g.dtype == torch.float32
+        return hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                   output_final_state=output_final_state)
+
+    fla = delta_rule.FlaDeltaRule.__new__(delta_rule.FlaDeltaRule)
+    fla._chunk, fla._recurrent = chunk, recurrent
+    ref = delta_rule.TorchDeltaRule()
+    g_ = torch.Generator().manual_seed(4)
+    T, H, K, V = 90, 2, 16, 8
+    q, k = delta_rule.l2norm(torch.randn(T, H, K, generator=g_)), delta_rule.l2norm(torch.randn(T, H, K, generator=g_))
+    v, s0 = torch.randn(T, H, V, generator=g_), torch.randn(H, K, V, generator=g_)
+    g, beta = -torch.rand(T, H, generator=g_), torch.rand(T, H, generator=g_)
+    a, fa = fla.varlen(q, k, v, g, beta, [30, 1, 59], [s0, None, -s0])
+    b, fb = ref.varlen(q, k, v, g, beta, [30, 1, 59], [s0, None, -s0])
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for x, y in zip(fa, fb):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+    states = torch.stack([s0, -s0, s0 * 0.5])
+    a, fa = fla.recurrent(q[:3], k[:3], v[:3], g[:3], beta[:3], states)
+    b, fb = ref.recurrent(q[:3], k[:3], v[:3], g[:3], beta[:3], states)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fa, fb, atol=1e-5, rtol=0)

@@ -127,21 +127,22 @@ class FlaDeltaRule(TorchDeltaRule):
         return o, finals[0]
 
     def recurrent(self, q, k, v, g, beta, state):
-        K = k.shape[-1]
-        o, s = self._recurrent(q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(),
-                               g=g[:, None].float().contiguous(), beta=beta[:, None].contiguous(), scale=K ** -0.5,
-                               initial_state=state.float().contiguous(), output_final_state=True)
-        return o[:, 0].float(), s
+        K, dt = k.shape[-1], v.dtype  # the kernels take q, k, v, beta in one dtype (the model's)
+        o, s = self._recurrent(q[:, None].to(dt).contiguous(), k[:, None].to(dt).contiguous(), v[:, None].contiguous(),
+                               g=g[:, None].float().contiguous(), beta=beta[:, None].to(dt).contiguous(),
+                               scale=K ** -0.5, initial_state=state.float().contiguous(), output_final_state=True)
+        return o[:, 0].float(), s.float()
 
     def varlen(self, q, k, v, g, beta, lens, states):
-        K, H, V = k.shape[-1], k.shape[1], v.shape[-1]
-        cu = torch.tensor([0] + lens, dtype=torch.long).cumsum(0).to(q.device)
+        K, H, V, dt = k.shape[-1], k.shape[1], v.shape[-1], v.dtype
+        cu_cpu = torch.tensor([0] + lens, dtype=torch.long).cumsum(0)
         init = torch.stack([s.float() if s is not None else q.new_zeros(H, K, V, dtype=torch.float32)
                             for s in states])
-        o, final = self._chunk(q[None].contiguous(), k[None].contiguous(), v[None].contiguous(),
-                               g[None].float().contiguous(), beta[None].contiguous(), scale=K ** -0.5,
-                               initial_state=init, output_final_state=True, cu_seqlens=cu)
-        return o[0].float(), list(final.unbind(0))
+        o, final = self._chunk(q[None].to(dt).contiguous(), k[None].to(dt).contiguous(), v[None].contiguous(),
+                               g[None].float().contiguous(), beta[None].to(dt).contiguous(), scale=K ** -0.5,
+                               initial_state=init, output_final_state=True, cu_seqlens=cu_cpu.to(q.device),
+                               cu_seqlens_cpu=cu_cpu)
+        return o[0].float(), [f.float() for f in final.unbind(0)]
 
 
 def fla_available() -> str | None:
