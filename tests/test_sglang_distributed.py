@@ -280,6 +280,18 @@ def test_a_refused_session_resumes_and_a_refused_load_stays_paused():
     rec.op = None  # the next update succeeds and resumes
     asyncio.run(updates.from_tensor(b"p", 2))
     assert rec.sent[-1] == "continue_generation" and not updates.paused and updates.paused_reason is None
+    rec = Refuse("update_weights_from_tensor")  # after a partial load, a whole checkpoint from disk resumes
+    updates = SGLangWeightUpdates(rec)
+    with pytest.raises(EngineError):
+        asyncio.run(updates.from_tensor(b"p", 1))
+    rec.sent.clear()
+    asyncio.run(updates.from_disk("/ckpt", 2))
+    assert rec.sent == ["update_weights_from_disk", "continue_generation"] and not updates.paused
+    rec.op, rec.sent = "update_weights_from_disk", []  # SGLang rolls a failed disk load back: serve on
+    with pytest.raises(EngineError):
+        asyncio.run(updates.from_disk("/bad", 3))
+    assert rec.sent == ["pause_generation", "update_weights_from_disk", "continue_generation"]
+    assert not updates.paused and updates.version == 2
 
 
 def test_the_megatron_trainer_hands_an_sglang_engine_its_group(tmp_path):

@@ -390,17 +390,23 @@ class SGLangWeightUpdates:
         await self._swap([("update_weights_from_tensor", update_from_tensor_request(payload, version))], version)
 
     async def from_disk(self, path: str, version: int) -> None:
-        """A checkpoint SGLang reads itself; no session (SGLang loads from disk without one)."""
+        """A checkpoint SGLang reads itself; no session (SGLang loads from disk without one, and
+        rolls back to the weights it had when a load fails). A whole checkpoint also ends a pause
+        left by a partly loaded update."""
         async with self._lock:
-            was_paused = self.paused
-            if not was_paused:
+            was_paused = self.paused and self.paused_reason is None
+            if not self.paused:
                 await self.pause()
             try:
                 await self.control.send("update_weights_from_disk", update_from_disk_request(path, version))
-            finally:
-                if not was_paused:
+            except BaseException:
+                if not was_paused and self.paused_reason is None:
                     await self.resume()
+                raise
             self.version = int(version)
+            self.paused_reason = None
+            if not was_paused:
+                await self.resume()
 
     async def init_group(self, group: WeightGroup) -> None:
         """Make SGLang's workers join ``group`` (blocks until the trainer has joined too); once per
