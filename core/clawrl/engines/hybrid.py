@@ -142,6 +142,14 @@ class HybridForward:
         log.info("hybrid forward: %d linear-attention layers (%s kernels), %d attention layers",
                  len(self.linear_index), self.kernels.name, len(self.attn_index))
 
+    def _rope_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """Position ids as this model's rotary module takes them: Qwen3.5's is multimodal (one row
+        each for time, height, width; text repeats its position in all three), and transformers
+        5.17's version of it takes only that ``[3, batch, n]`` form."""
+        if hasattr(self.inner.rotary_emb, "mrope_section"):
+            return pos[None, None].expand(3, 1, -1)
+        return pos[None]
+
     def check_weights(self) -> bool:
         """Nothing is fused: the forward reads the modules' parameters every step."""
         return False
@@ -175,7 +183,7 @@ class HybridForward:
         ids = to_device([t for s in segments for t in s.ids], dev)
         pos = to_device([p for st, n in zip(starts, lens) for p in range(st, st + n)], dev)
         x = self.inner.embed_tokens(ids)
-        cos, sin = self.inner.rotary_emb(x[None], pos[None])
+        cos, sin = self.inner.rotary_emb(x[None], self._rope_positions(pos))
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [n, 1, rotary_dim]
         offs = [0]
         for n in lens[:-1]:
