@@ -233,3 +233,43 @@ def test_the_fla_adapter_passes_fla_its_layout(monkeypatch):
     b, fb = ref.recurrent(q[:3], k[:3], v[:3], g[:3], beta[:3], states)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     torch.testing.assert_close(fa, fb, atol=1e-5, rtol=0)
+
+
+def test_snapshots_taken_across_prefill_chunks_equal_a_fresh_prefill(loaded):
+    lm = loaded["qwen3_5"]
+    runner = HybridForward(lm.model, "torch", snapshot_tokens=32)
+    ids = ids_of(100, lm.model.config.vocab_size, seed=12)
+    st = runner.new_kv(64, 200)
+    with torch.no_grad():
+        for a, b in ((0, 40), (40, 64), (64, 100)):  # cuts at 32 (inside a chunk) and 64 (a chunk's end)
+            runner.forward([Segment(st, ids[a:b], [])])
+        assert sorted(st.snapshots) == [32, 64, 96]
+        for at in (32, 64):
+            fresh = runner.new_kv(64, 200)
+            runner.forward([Segment(fresh, ids[:at], [])])
+            torch.testing.assert_close(st.snapshots[at][0], fresh.conv, atol=1e-5, rtol=0)
+            torch.testing.assert_close(st.snapshots[at][1], fresh.ssm, atol=1e-4, rtol=0)
+        resumed = runner.new_kv(64, 200)
+        resumed.copy_prefix_from(runner.cache_view(st), 70)  # 70 shared tokens: resume from 64
+        assert resumed.length == 64 and sorted(resumed.snapshots) == [32, 64]
+        out = runner.forward([Segment(resumed, ids[64:80], list(range(16)))])
+    torch.testing.assert_close(out, hf_logits(lm.model, ids[:80])[64:], atol=1e-3, rtol=0)
+
+
+def test_a_new_conversation_resumes_from_the_last_snapshot_of_a_shared_prefix(loaded, monkeypatch):
+    from clawrl.engines import torch_engine
+
+    monkeypatch.setattr(torch_engine, "SNAPSHOT_TOKENS", 32)
+    lm = loaded["qwen3_next"]
+    vocab = lm.model.config.vocab_size
+    system = ids_of(70, vocab, seed=13)  # the same system prompt, then different users
+
+    async def two(eng):
+        a = await eng.generate(system + ids_of(20, vocab, seed=14), GREEDY)
+        b = await eng.generate(system + ids_of(15, vocab, seed=15), GREEDY)
+        return a, b
+
+    a, b = engine_run(lm, two, prefix_cache_tokens=4096, prefill_chunk_tokens=48)
+    assert a.cached_prompt_tokens == 0 and b.cached_prompt_tokens == 64
+    for r in (a, b):
+        assert r.token_ids == hf_greedy(lm.model, r.prompt_ids, GREEDY.max_new_tokens)

@@ -13,11 +13,15 @@ ours. Continuous batching: every decoding request's token goes through each line
 batched recurrent step; prefill chunks run the chunked rule from the request's state and leave
 the state at the chunk's end, so chunked prefill equals one-shot prefill.
 
-The prefix cache can only resume a recurrent state where one was saved: a cached entry is a
-frozen copy (``HybridForward.cache_view``) whose state sits at its last token, so a new request
-reuses it when it extends that whole sequence (a chat's next turn over the same history), not a
-shorter common prefix; ``copy_prefix_from`` then takes nothing. (Snapshots at block boundaries
-would widen this; not built.)
+The prefix cache can only resume a recurrent state where one was saved. A cached entry is a
+frozen copy (``HybridForward.cache_view``) whose state sits at its last token, plus snapshots of
+the conv and recurrent states taken while its prompt was prefilled, every ``snapshot_tokens``
+positions (block boundaries). A new request resumes from the whole entry when it extends that
+whole sequence (a chat's next turn over the same history), else from the last snapshot inside the
+common prefix (another conversation with the same system prompt and tools), else from nothing.
+Snapshots cost memory the prefix cache's token budget does not count: per snapshot, every linear
+layer's recurrent state (``heads * K * V`` fp32), which is why they are block-spaced, taken only
+during prefill, and only when the prefix cache is on.
 """
 from __future__ import annotations
 
@@ -32,8 +36,11 @@ from clawrl.engines.ragged import Segment, SeqKV, to_device
 log = logging.getLogger(__name__)
 
 HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5_text", "qwen3_5"}
-PREFIX_CACHE_NOTE = ("hybrid linear-attention model: the prefix cache resumes a request only from a cached "
-                     "sequence it extends whole (a recurrent state cannot be cut at an arbitrary token)")
+# Positions between two state snapshots while a prompt is prefilled (see the module docstring).
+SNAPSHOT_TOKENS = 1024
+PREFIX_CACHE_NOTE = ("hybrid linear-attention model: the prefix cache resumes a request from a cached sequence "
+                     "it extends whole, or from the last state snapshot (every %d prompt tokens) inside the common "
+                     "prefix (a recurrent state cannot be cut at an arbitrary token)" % SNAPSHOT_TOKENS)
 
 
 def text_config(model):
@@ -85,18 +92,29 @@ class HybridState:
     def __init__(self, kv: SeqKV, conv: torch.Tensor, ssm: torch.Tensor):
         self.kv, self.conv, self.ssm = kv, conv, ssm
         self.length = 0
+        # position -> (conv, ssm) as they were there; written once, never changed (shared by copies)
+        self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def ensure(self, needed: int) -> None:
         self.kv.ensure(needed)
 
     def copy_prefix_from(self, other: "HybridState", n: int) -> None:
-        """Start from ``other``'s first ``n`` tokens if its state sits exactly there; else from
-        nothing (``length`` stays 0: the caller counts ``length``, not ``n``, as reused)."""
-        if n != other.length or n == 0:
+        """Start from ``other``'s first ``n`` tokens if its state sits exactly there, else from its
+        last snapshot at or before ``n``, else from nothing: ``length`` says how far (the caller
+        counts ``length``, not ``n``, as reused)."""
+        if n <= 0:
             return
+        if n == other.length:
+            conv, ssm = other.conv, other.ssm
+        else:
+            at = max((p for p in other.snapshots if p <= n), default=0)
+            if not at:
+                return
+            n, (conv, ssm) = at, other.snapshots[at]
         self.kv.copy_prefix_from(other.kv, n)
-        self.conv.copy_(other.conv)
-        self.ssm.copy_(other.ssm)
+        self.conv.copy_(conv)
+        self.ssm.copy_(ssm)
+        self.snapshots = {p: snap for p, snap in other.snapshots.items() if p <= n}
         self.length = n
 
     def frozen(self) -> "HybridState":
@@ -107,6 +125,7 @@ class HybridState:
         kv.max_tokens, kv.layers, kv.length = self.kv.max_tokens, list(self.kv.layers), self.length
         out = HybridState(kv, self.conv.clone(), self.ssm.clone())
         out.length = self.length
+        out.snapshots = dict(self.snapshots)
         return out
 
 
@@ -116,8 +135,9 @@ class HybridForward:
     ragged = True
     static_decode = False  # the CUDA-graph decoder (static_decode.py) knows only attention KV
 
-    def __init__(self, model, kernels: str = "auto"):
+    def __init__(self, model, kernels: str = "auto", snapshot_tokens: int = 0):
         self.model = model
+        self.snapshot_tokens = snapshot_tokens  # 0: no snapshots (no prefix cache to use them)
         self.cfg = text_config(model)
         self.inner = model.model
         dev = self.inner.embed_tokens.weight.device
@@ -192,7 +212,7 @@ class HybridForward:
         for li, layer in enumerate(self.inner.layers):
             h = layer.input_layernorm(x)
             if li in self.linear_index:
-                h = self.linear(li, layer.linear_attn, h, states, lens, offs)
+                h = self.linear(li, layer.linear_attn, h, states, starts, lens, offs)
             else:
                 h = self.attention(li, layer.self_attn, h, states, starts, lens, offs, cos, sin)
             x = x + h
@@ -233,9 +253,25 @@ class HybridForward:
             out[off: off + n] = o[0].transpose(0, 1).reshape(n, -1)
         return attn.o_proj(out * torch.sigmoid(gate))
 
-    def linear(self, li, la, h, states, lens, offs) -> torch.Tensor:
-        """Gated DeltaNet layer ``li``: conv and delta rule from each request's state, states advanced."""
+    def _cuts(self, start: int, n: int) -> list[int]:
+        """Snapshot positions inside a prefill chunk ``[start, start + n)``'s end, exclusive of start."""
+        every = self.snapshot_tokens
+        if not every or n < 2:
+            return []
+        return list(range((start // every + 1) * every, start + n + 1, every))
+
+    def _snapshot(self, state: HybridState, at: int, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        snap = state.snapshots.get(at)
+        if snap is None:
+            snap = state.snapshots[at] = (torch.empty_like(state.conv), torch.empty_like(state.ssm))
+        snap[0][slot].copy_(conv)
+        snap[1][slot].copy_(ssm)
+
+    def linear(self, li, la, h, states, starts, lens, offs) -> torch.Tensor:
+        """Gated DeltaNet layer ``li``: conv and delta rule from each request's state, states advanced
+        (and snapshotted at block boundaries a prefill chunk crosses)."""
         slot = self.linear_index[li]
+        km1 = self.conv_k - 1
         mixed, z, b, a = project_linear(la, h)
         weight = la.conv1d.weight[:, 0]  # [conv_dim, kernel]
         conv_out = torch.empty_like(mixed)
@@ -251,12 +287,16 @@ class HybridForward:
             conv_out[rows] = y.to(conv_out.dtype)
             for j, i in enumerate(decode):
                 states[i].conv[slot].copy_(full[j, :, 1:])
+        cuts = {i: self._cuts(starts[i], lens[i]) for i in prefill}
+        conv_snaps = {}
         for i in prefill:
             off, n, conv = offs[i], lens[i], states[i].conv[slot]
             full = torch.cat([conv, mixed[off: off + n].t().to(conv.dtype)], dim=-1)  # [C, k-1+n]
             conv_out[off: off + n] = F.conv1d(full[None], la.conv1d.weight, la.conv1d.bias,
                                               groups=self.conv_dim)[0].t().to(conv_out.dtype)
-            conv.copy_(full[:, -(self.conv_k - 1):])
+            # full's column j holds position start - (k-1) + j: the k-1 inputs before p start at p - start
+            conv_snaps[i] = {p: full[:, p - starts[i]: p - starts[i] + km1].clone() for p in cuts[i]}
+            conv.copy_(full[:, -km1:])
         q, k, v, g, beta = gates_and_heads(la, F.silu(conv_out), b, a)
         core = q.new_empty(h.shape[0], self.hv, self.dv, dtype=torch.float32)
         if decode:
@@ -266,13 +306,27 @@ class HybridForward:
             core[rows] = o
             for j, i in enumerate(decode):
                 states[i].ssm[slot].copy_(final[j])
-        if prefill:
-            idx = torch.cat([torch.arange(offs[i], offs[i] + lens[i], device=h.device) for i in prefill])
-            o, finals = self.kernels.varlen(q[idx], k[idx], v[idx], g[idx], beta[idx], [lens[i] for i in prefill],
-                                            [states[i].ssm[slot] for i in prefill])
+        whole = [i for i in prefill if not cuts[i]]
+        if whole:  # one call for every chunk that crosses no snapshot position
+            idx = torch.cat([torch.arange(offs[i], offs[i] + lens[i], device=h.device) for i in whole])
+            o, finals = self.kernels.varlen(q[idx], k[idx], v[idx], g[idx], beta[idx], [lens[i] for i in whole],
+                                            [states[i].ssm[slot] for i in whole])
             core[idx] = o
-            for i, f in zip(prefill, finals):
+            for i, f in zip(whole, finals):
                 states[i].ssm[slot].copy_(f)
+        for i in prefill:  # the others piece by piece, the state carried, a snapshot at each cut
+            if not cuts[i]:
+                continue
+            state, pos = states[i].ssm[slot].clone(), starts[i]
+            for end in [*cuts[i], starts[i] + lens[i]]:
+                if end == pos:
+                    continue
+                a, b = offs[i] + pos - starts[i], offs[i] + end - starts[i]
+                core[a:b], state = self.kernels.chunk(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state)
+                if end in conv_snaps[i]:
+                    self._snapshot(states[i], end, slot, conv_snaps[i][end], state)
+                pos = end
+            states[i].ssm[slot].copy_(state)
         return gated_output(la, core.to(h.dtype), z)
 
 

@@ -39,7 +39,7 @@ from clawrl.engines.base import (
     TokenChunk, check_generate_request, check_score_request,
 )
 from clawrl.engines.hf_fallback import HFForward
-from clawrl.engines.hybrid import PREFIX_CACHE_NOTE, HybridForward, is_hybrid
+from clawrl.engines.hybrid import PREFIX_CACHE_NOTE, SNAPSHOT_TOKENS, HybridForward, is_hybrid
 from clawrl.engines.hybrid import unsupported_reason as hybrid_unsupported_reason
 from clawrl.engines.loading import LoadedModel
 from clawrl.engines.prefix_cache import PrefixCache
@@ -118,7 +118,8 @@ class TorchEngine(Engine):
         hybrid_model = is_hybrid(self.model)
         reason = hybrid_unsupported_reason(self.model) if hybrid_model else unsupported_reason(self.model)
         if reason is None and hybrid_model:
-            self.runner = HybridForward(self.model, linear_attention)
+            self.runner = HybridForward(self.model, linear_attention,
+                                        snapshot_tokens=SNAPSHOT_TOKENS if engine_cfg.prefix_cache_tokens else 0)
             if engine_cfg.prefix_cache_tokens:
                 log.info("%s", PREFIX_CACHE_NOTE)
         elif reason is None:
