@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from clawrl.engines.delta_rule import TorchDeltaRule, l2norm, resolve
-from clawrl.engines.ragged import Segment, SeqKV, to_device
+from clawrl.engines.ragged import BATCH_DECODE_MAX_CONTEXT, Segment, SeqKV, _DecodePool, to_device
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,8 @@ class HybridForward:
         self.conv_k = la.conv1d.weight.shape[-1]
         self.hv, self.dk, self.dv = la.num_v_heads, la.head_k_dim, la.head_v_dim
         self.hk = la.num_k_heads
+        self._states = _StatePool()  # the decoding requests' conv and recurrent states, batched
+        self._kv_pool = _DecodePool()  # their attention K/V, padded (ragged.py's)
         log.info("hybrid forward: %d linear-attention layers (%s kernels), %d attention layers",
                  len(self.linear_index), self.kernels.name, len(self.attn_index))
 
@@ -175,10 +177,14 @@ class HybridForward:
         return False
 
     def sync(self) -> None:
-        """Every request's state is complete after each step."""
+        """Make every request's own state complete (the decode pools advance only themselves)."""
+        self._states.sync()
+        self._kv_pool.sync()
 
     def release(self) -> None:
-        """Nothing is kept between steps."""
+        """Write back and drop the decode pools (nobody is decoding now)."""
+        self.sync()
+        self._states, self._kv_pool = _StatePool(), _DecodePool()
 
     def cache_view(self, state: HybridState) -> HybridState:
         return state.frozen()
@@ -209,12 +215,28 @@ class HybridForward:
         for n in lens[:-1]:
             offs.append(offs[-1] + n)
         states = [s.kv for s in segments]
+        # Decoding requests (one token each) run batched against pools that keep their states
+        # between steps while the set of decoders is unchanged; a request outside the pools this
+        # step reads its own buffers, so the pools are written back first when the set changes.
+        decode = [i for i, n in enumerate(lens) if n == 1]
+        self._states = self._states.prepare([states[i] for i in decode])
+        padded = [i for i in decode if starts[i] < BATCH_DECODE_MAX_CONTEXT] if len(decode) > 1 else []
+        batch = None
+        if padded:
+            width = max(starts[i] for i in padded) + 1
+            pos_b = to_device([starts[i] for i in padded], dev)
+            batch = (padded, to_device([offs[i] for i in padded], dev), pos_b, width,
+                     (torch.arange(width, device=dev)[None, :] <= pos_b[:, None])[:, None, None, :],
+                     self._kv_pool.prepare([states[i].kv for i in padded], [starts[i] for i in padded]))
+        else:
+            self._kv_pool.sync()
+            self._kv_pool = _DecodePool()
         for li, layer in enumerate(self.inner.layers):
             h = layer.input_layernorm(x)
             if li in self.linear_index:
-                h = self.linear(li, layer.linear_attn, h, states, starts, lens, offs)
+                h = self.linear(li, layer.linear_attn, h, states, starts, lens, offs, decode)
             else:
-                h = self.attention(li, layer.self_attn, h, states, starts, lens, offs, cos, sin)
+                h = self.attention(li, layer.self_attn, h, states, starts, lens, offs, cos, sin, batch)
             x = x + h
             x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
         for s, n in zip(segments, lens):
@@ -228,8 +250,9 @@ class HybridForward:
             return x.new_empty(0, self.model.config.get_text_config().vocab_size, dtype=torch.float32)
         return self.model.lm_head(self.inner.norm(x[to_device(rows, dev)])).float()
 
-    def attention(self, li, attn, h, states, starts, lens, offs, cos, sin) -> torch.Tensor:
-        """Gated full attention of layer ``li``, each request against its own K/V."""
+    def attention(self, li, attn, h, states, starts, lens, offs, cos, sin, batch) -> torch.Tensor:
+        """Gated full attention of layer ``li``: short-context decoders in one padded call
+        (``batch``), every other request against its own K/V."""
         n_tok, d, hq, hkv = h.shape[0], self.head_dim, self.n_heads, self.kv_heads
         q, gate = attn.q_proj(h).view(n_tok, hq, 2 * d).chunk(2, dim=-1)
         gate = gate.reshape(n_tok, hq * d)
@@ -239,7 +262,21 @@ class HybridForward:
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = q.new_empty(n_tok, hq * d)
         slot = self.attn_index[li]
-        for st, n, off, state in zip(starts, lens, offs, states):
+        pooled = set()
+        if batch is not None:
+            members, rows, pos, width, pad_mask, pool = batch
+            pooled = set(members)
+            kp, vp = pool.layers[slot]
+            r = torch.arange(len(members), device=kp.device)
+            kp[r, pos] = k[rows]
+            vp[r, pos] = v[rows]
+            o = F.scaled_dot_product_attention(
+                q[rows][:, :, None], kp[:, :width].transpose(1, 2), vp[:, :width].transpose(1, 2),
+                attn_mask=pad_mask, scale=attn.scaling, enable_gqa=hkv != hq)
+            out[rows] = o.reshape(len(members), -1)
+        for i, (st, n, off, state) in enumerate(zip(starts, lens, offs, states)):
+            if i in pooled:
+                continue
             kb, vb = state.kv.layers[slot]
             kb[st: st + n] = k[off: off + n]
             vb[st: st + n] = v[off: off + n]
@@ -267,7 +304,7 @@ class HybridForward:
         snap[0][slot].copy_(conv)
         snap[1][slot].copy_(ssm)
 
-    def linear(self, li, la, h, states, starts, lens, offs) -> torch.Tensor:
+    def linear(self, li, la, h, states, starts, lens, offs, decode) -> torch.Tensor:
         """Gated DeltaNet layer ``li``: conv and delta rule from each request's state, states advanced
         (and snapshotted at block boundaries a prefill chunk crosses)."""
         slot = self.linear_index[li]
@@ -275,18 +312,17 @@ class HybridForward:
         mixed, z, b, a = project_linear(la, h)
         weight = la.conv1d.weight[:, 0]  # [conv_dim, kernel]
         conv_out = torch.empty_like(mixed)
-        decode = [i for i, n in enumerate(lens) if n == 1]
         prefill = [i for i, n in enumerate(lens) if n > 1]
+        pool = self._states
         if decode:
             rows = to_device([offs[i] for i in decode], h.device)
-            prev = torch.stack([states[i].conv[slot] for i in decode])  # [B, C, k-1]
+            prev = pool.conv[:, slot]  # [B, C, k-1]
             full = torch.cat([prev, mixed[rows][:, :, None].to(prev.dtype)], dim=-1)
             y = (full * weight).sum(-1)
             if la.conv1d.bias is not None:
                 y = y + la.conv1d.bias
             conv_out[rows] = y.to(conv_out.dtype)
-            for j, i in enumerate(decode):
-                states[i].conv[slot].copy_(full[j, :, 1:])
+            pool.conv[:, slot] = full[:, :, 1:]
         cuts = {i: self._cuts(starts[i], lens[i]) for i in prefill}
         conv_snaps = {}
         for i in prefill:
@@ -300,12 +336,9 @@ class HybridForward:
         q, k, v, g, beta = gates_and_heads(la, F.silu(conv_out), b, a)
         core = q.new_empty(h.shape[0], self.hv, self.dv, dtype=torch.float32)
         if decode:
-            rows = to_device([offs[i] for i in decode], h.device)
-            init = torch.stack([states[i].ssm[slot] for i in decode])
-            o, final = self.kernels.recurrent(q[rows], k[rows], v[rows], g[rows], beta[rows], init)
+            o, final = self.kernels.recurrent(q[rows], k[rows], v[rows], g[rows], beta[rows], pool.ssm[:, slot])
             core[rows] = o
-            for j, i in enumerate(decode):
-                states[i].ssm[slot].copy_(final[j])
+            pool.ssm[:, slot] = final
         whole = [i for i in prefill if not cuts[i]]
         if whole:  # one call for every chunk that crosses no snapshot position
             idx = torch.cat([torch.arange(offs[i], offs[i] + lens[i], device=h.device) for i in whole])
@@ -328,6 +361,34 @@ class HybridForward:
                 pos = end
             states[i].ssm[slot].copy_(state)
         return gated_output(la, core.to(h.dtype), z)
+
+
+class _StatePool:
+    """The conv ``[B, n_linear, C, k-1]`` and recurrent ``[B, n_linear, H, K, V]`` states of the
+    decoding requests, stacked, so each linear layer's decode step is one batched read and write
+    instead of one copy per request and layer (on a GPU a kernel launch each). Rebuilt, after writing
+    its rows back into the requests' own states, whenever the set of decoders changes; ``sync``
+    writes back without dropping it."""
+
+    def __init__(self):
+        self.members: list[HybridState] = []
+        self.conv = self.ssm = None
+
+    def prepare(self, states: list[HybridState]) -> "_StatePool":
+        if len(states) == len(self.members) and all(a is b for a, b in zip(states, self.members)):
+            return self
+        self.sync()
+        fresh = _StatePool()
+        if states:
+            fresh.members = list(states)
+            fresh.conv = torch.stack([s.conv for s in states])
+            fresh.ssm = torch.stack([s.ssm for s in states])
+        return fresh
+
+    def sync(self) -> None:
+        for row, s in enumerate(self.members):
+            s.conv.copy_(self.conv[row])
+            s.ssm.copy_(self.ssm[row])
 
 
 # -------------------------------------------------------------------- shared with the trainer
