@@ -273,3 +273,11 @@ def test_a_new_conversation_resumes_from_the_last_snapshot_of_a_shared_prefix(lo
     assert a.cached_prompt_tokens == 0 and b.cached_prompt_tokens == 64
     for r in (a, b):
         assert r.token_ids == hf_greedy(lm.model, r.prompt_ids, GREEDY.max_new_tokens)
+
+
+def test_the_cli_refuses_fla_on_cpu_in_one_line(dirs, capsys):
+    from clawrl.cli import main
+
+    assert main(["chat", "--local", "hi", f"model.path={dirs['qwen3_next']}", "model.linear_attention=fla"]) == 2
+    err = capsys.readouterr().err
+    assert "clawrl: linear-attention kernels 'fla' need a CUDA device" in err and "Traceback" not in err

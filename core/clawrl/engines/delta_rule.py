@@ -32,14 +32,17 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from clawrl.engines.loading import ModelLoadError
+
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "torch", "fla")
 CHUNK = 64
 
 
-class DeltaRuleUnavailable(RuntimeError):
-    """The requested kernels cannot run here; the message says why and how to get them."""
+class DeltaRuleUnavailable(ModelLoadError):
+    """The requested kernels cannot run here; the message says why and how to get them (a
+    ModelLoadError: the model cannot be served or trained as configured, one line for the user)."""
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
