@@ -281,3 +281,19 @@ def test_the_cli_refuses_fla_on_cpu_in_one_line(dirs, capsys):
     assert main(["chat", "--local", "hi", f"model.path={dirs['qwen3_next']}", "model.linear_attention=fla"]) == 2
     err = capsys.readouterr().err
     assert "clawrl: linear-attention kernels 'fla' need a CUDA device" in err and "Traceback" not in err
+
+
+def test_model_build_arch_hybrid_builds_a_servable_hybrid_chat_model(tmp_path, capsys):
+    from clawrl import embedded_hybrid
+    from clawrl.cli import main
+    from clawrl.embedded import build
+
+    assert main(["model", "build", "arch=hybrid", "--steps", "2", "--out", str(tmp_path / "h")]) == 0
+    assert "clawrl-tiny-hybrid, seed 0, 2 steps" in capsys.readouterr().out
+    lm = load_model(str(tmp_path / "h"), device="cpu")
+    assert lm.architecture == "Qwen3NextForCausalLM" and is_hybrid(lm.model) and lm.tokenizer.chat_template
+    # its cache name hashes the default recipe and its own code, and differs from the default model's
+    assert embedded_hybrid.recipe_hash() != build.recipe_hash()
+    assert embedded_hybrid.cache_dir(0, build.DEFAULT_STEPS).name.startswith("clawrl-tiny-hybrid-seed0-")
+    assert main(["model", "build", "arch=mamba"]) == 2
+    assert "arch=mamba: one of qwen3, hybrid" in capsys.readouterr().err

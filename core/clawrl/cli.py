@@ -10,7 +10,7 @@ from clawrl.chat import chat_cli
 from clawrl.checkpoints import rollback_cli
 from clawrl.config import ClawrlConfig, ConfigError, describe_config
 from clawrl.demo.run import demo_cli
-from clawrl.embedded.build import build_cli
+from clawrl.embedded_hybrid import build_cli
 from clawrl.engines.loading import ModelLoadError
 from clawrl.errors import CliError
 from clawrl.orchestration.env_commands import POLICIES, env_cli
@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=None, help="training steps (default: the calibrated budget)")
     b.add_argument("--out", default=None, help="output directory (default: the data directory cache)")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    b.add_argument("settings", nargs="*", help="arch=hybrid: a tiny hybrid linear-attention chat model "
+                   "(Qwen3-Next layout) on the same recipe, cached apart; arch=qwen3 (default): the embedded model")
 
     c = sub.add_parser("chat", help="answer one message: from the running server if one answers, else in-process",
                        description="Send one message and print the reply. A running server (clawrl serve, run.sh) "
