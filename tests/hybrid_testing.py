@@ -5,7 +5,7 @@ engine_testing's byte-level tokenizer and ChatML template, built in about a seco
 Both use every moving part of the real families at toy width: grouped value heads in the
 linear-attention layers (more value heads than key heads), partial rotary in the attention layers,
 attention output gates, and a layer pattern with linear layers before and after an attention one.
-Qwen3-Next can also be built with a small MoE (``moe=True``).
+Qwen3-Next can also be built with a small MoE (``moe=True``); ``qwen3_5_moe`` is Qwen3.5's MoE text model.
 """
 from __future__ import annotations
 
@@ -38,6 +38,14 @@ def hybrid_config(arch: str, vocab_size: int, eos: int | None = None, pad: int |
         return Qwen3NextConfig(**common, **extra,
                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5})
+    if arch == "qwen3_5_moe":
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        common.pop("intermediate_size")
+        return Qwen3_5MoeTextConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+                                    shared_expert_intermediate_size=hidden,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]})
     if arch == "qwen3_5":
         return Qwen3_5TextConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                             "partial_rotary_factor": 0.5,

@@ -25,7 +25,8 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid_models")
     return {a: make_hybrid_dir(root / a, a) for a in HYBRID_ARCHS} | {
         "qwen3_next_b": make_hybrid_dir(root / "b", "qwen3_next", seed=1),
-        "qwen3_next_moe": make_hybrid_dir(root / "moe", "qwen3_next", seed=2, moe=True)}
+        "qwen3_next_moe": make_hybrid_dir(root / "moe", "qwen3_next", seed=2, moe=True),
+        "qwen3_5_moe": make_hybrid_dir(root / "q35moe", "qwen3_5_moe", seed=3)}
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,11 @@ def engine_run(lm, fn, **cfg):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("arch", [*HYBRID_ARCHS, "qwen3_next_moe"])
+@pytest.mark.parametrize("arch", [*HYBRID_ARCHS, "qwen3_next_moe", "qwen3_5_moe"])
 def test_a_hybrid_directory_loads_and_its_ragged_forward_matches_hf(loaded, arch):
     lm = loaded[arch]
-    assert lm.architecture == {"qwen3_5": "Qwen3_5ForCausalLM"}.get(arch, "Qwen3NextForCausalLM")
+    assert lm.architecture == {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}.get(
+        arch, "Qwen3NextForCausalLM")
     assert is_hybrid(lm.model) and unsupported_reason(lm.model) is None
     runner = HybridForward(lm.model, "torch")
     vocab = lm.model.config.vocab_size

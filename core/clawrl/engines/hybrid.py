@@ -1,4 +1,4 @@
-"""A ragged forward for hybrid linear-attention models: Qwen3-Next and Qwen3.5 (text).
+"""A ragged forward for hybrid linear-attention models: Qwen3-Next and Qwen3.5 (text; dense and MoE).
 
 These interleave Gated DeltaNet layers (a causal depthwise conv, then the gated delta rule: a
 fixed-size recurrent state per head instead of a KV cache) with gated full-attention layers
@@ -35,7 +35,7 @@ from clawrl.engines.ragged import BATCH_DECODE_MAX_CONTEXT, Segment, SeqKV, _Dec
 
 log = logging.getLogger(__name__)
 
-HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5_text", "qwen3_5"}
+HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"}
 # Positions between two state snapshots while a prompt is prefilled (see the module docstring).
 SNAPSHOT_TOKENS = 1024
 PREFIX_CACHE_NOTE = ("hybrid linear-attention model: the prefix cache resumes a request from a cached sequence "
