@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from clawrl.engines.delta_rule import TorchDeltaRule, l2norm, resolve
-from clawrl.engines.ragged import BATCH_DECODE_MAX_CONTEXT, Segment, SeqKV, _DecodePool, to_device
+from clawrl.engines.ragged import BATCH_DECODE_MAX_CONTEXT, RaggedForward, Segment, SeqKV, _DecodePool, to_device
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ class HybridForward:
         # between steps while the set of decoders is unchanged; a request outside the pools this
         # step reads its own buffers, so the pools are written back first when the set changes.
         decode = [i for i, n in enumerate(lens) if n == 1]
+        decode_rows = to_device([offs[i] for i in decode], dev) if decode else None
         self._states = self._states.prepare([states[i] for i in decode])
         padded = [i for i in decode if starts[i] < BATCH_DECODE_MAX_CONTEXT] if len(decode) > 1 else []
         batch = None
@@ -234,7 +235,7 @@ class HybridForward:
         for li, layer in enumerate(self.inner.layers):
             h = layer.input_layernorm(x)
             if li in self.linear_index:
-                h = self.linear(li, layer.linear_attn, h, states, starts, lens, offs, decode)
+                h = self.linear(li, layer.linear_attn, h, states, starts, lens, offs, decode, decode_rows)
             else:
                 h = self.attention(li, layer.self_attn, h, states, starts, lens, offs, cos, sin, batch)
             x = x + h
@@ -280,9 +281,7 @@ class HybridForward:
             kb, vb = state.kv.layers[slot]
             kb[st: st + n] = k[off: off + n]
             vb[st: st + n] = v[off: off + n]
-            mask = None
-            if n > 1 and st > 0:  # query i at st + i sees keys up to there
-                mask = torch.ones(n, st + n, dtype=torch.bool, device=h.device).tril_(st)
+            mask = RaggedForward._mask(st, n, h.device, q.dtype)  # a chunk after st: query i sees up to st + i
             o = F.scaled_dot_product_attention(
                 q[off: off + n].transpose(0, 1)[None], kb[: st + n].transpose(0, 1)[None],
                 vb[: st + n].transpose(0, 1)[None], attn_mask=mask, is_causal=(mask is None and n > 1),
@@ -304,7 +303,7 @@ class HybridForward:
         snap[0][slot].copy_(conv)
         snap[1][slot].copy_(ssm)
 
-    def linear(self, li, la, h, states, starts, lens, offs, decode) -> torch.Tensor:
+    def linear(self, li, la, h, states, starts, lens, offs, decode, rows) -> torch.Tensor:
         """Gated DeltaNet layer ``li``: conv and delta rule from each request's state, states advanced
         (and snapshotted at block boundaries a prefill chunk crosses)."""
         slot = self.linear_index[li]
@@ -315,7 +314,6 @@ class HybridForward:
         prefill = [i for i, n in enumerate(lens) if n > 1]
         pool = self._states
         if decode:
-            rows = to_device([offs[i] for i in decode], h.device)
             prev = pool.conv[:, slot]  # [B, C, k-1]
             full = torch.cat([prev, mixed[rows][:, :, None].to(prev.dtype)], dim=-1)
             y = (full * weight).sum(-1)
