@@ -177,10 +177,12 @@ def main() -> int:
     ap.add_argument("--keep", default=None, help="keep the run directories and server logs here")
     ap.add_argument("--override", nargs="*", default=[], help="key=value overrides passed to run.sh, to measure "
                     "another setting; the quick start's own measurement passes none")
+    ap.add_argument("--replot", default=None, help="only redraw quick_start.png from this quick_start.json")
     args = ap.parse_args()
-    from clawrl.demo.plot import plot_curves
-
     out = Path(args.out)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text())["runs"], out / "quick_start.png")
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
@@ -208,13 +210,35 @@ def main() -> int:
         "commit": commit + ("-dirty" if dirty else ""), "short_chars": SHORT_CHARS, "held_out": HELD_OUT,
         "command": "python benchmarks/quick_start.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "runs": runs}, indent=2))
-    curves = {f"{r['recipe']} seed {r['seed']}, liked": [(p["interactions"], p["liked"]) for p in r["points"]]
-              for r in runs}
-    side = {f"{r['recipe']} seed {r['seed']}, greedy correct": [(p["interactions"], p["greedy_correct"])
-                                                              for p in r["points"]] for r in runs}
-    plot_curves(curves, out / "quick_start.png", "quick start: a thumbs-feedback user (short replies)", side)
+    plot(runs, out / "quick_start.png")
     print(table, flush=True)
     return 0
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """One panel per recipe: each seed's liked rate (solid) and greedy held-out correctness (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recipes = list(dict.fromkeys(r["recipe"] for r in runs))
+    fig, axes = plt.subplots(1, len(recipes), figsize=(5.5 * len(recipes), 4), dpi=120, sharey=True, squeeze=False)
+    for ax, recipe in zip(axes[0], recipes):
+        for r in (r for r in runs if r["recipe"] == recipe):
+            xs = [p["interactions"] for p in r["points"]]
+            line, = ax.plot(xs, [p["liked"] for p in r["points"]], marker="o", label=f"seed {r['seed']}: liked")
+            ax.plot(xs, [p["greedy_correct"] for p in r["points"]], linestyle="--", marker=".", color=line.get_color(),
+                    label=f"seed {r['seed']}: greedy correct")
+        ax.set_title(f"bash {recipe}/run.sh, a thumbs-feedback user")
+        ax.set_xlabel("interactions")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0][0].set_ylabel("fraction of 64 held-out questions")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
