@@ -101,3 +101,18 @@ def test_combine_with_lora_trains_adapters_and_exports_the_merged_model(dirs, ar
 def test_fla_kernels_asked_for_on_cpu_are_refused(dirs):
     with pytest.raises(DeltaRuleUnavailable, match="CUDA"):
         trainer_for(dirs["qwen3_next"], "model.linear_attention=fla")
+
+
+def test_lora_can_adapt_the_linear_attention_projections(dirs):
+    """The default LoRA targets (q/k/v/o_proj) reach only the full-attention layers, one in four;
+    naming the Gated DeltaNet projections adapts those too (Qwen3.5's names here)."""
+    targets = "[q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,out_proj]"
+    trainer = trainer_for(dirs["qwen3_5"], "train.lora.enabled=true", f"train.lora.target_modules={targets}",
+                          "train.lr=1e-2")
+    names = [n for n, _ in trainer.model.named_parameters() if "lora_A" in n]
+    assert any("linear_attn.in_proj_qkv" in n for n in names) and any("linear_attn.out_proj" in n for n in names)
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, seed=6))
+    before = [sum(x) for x in trainer.logprobs(samples)]
+    assert trainer.train_step(samples, 0).ok
+    after = [sum(x) for x in trainer.logprobs(samples)]
+    assert all(a > b for a, b in zip(after, before))
