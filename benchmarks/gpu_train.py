@@ -110,7 +110,8 @@ def clawrl_steps(model_dir: str, device: str, batch: list, steps: int, overrides
     from clawrl.config import compose
     from clawrl.trainers.torch_trainer import TorchTrainer
 
-    cfg = compose([f"model.device={device}", "train.lr=1e-6", *overrides])
+    # model.path names the directory, so the embedded model's defaults (its KL reference) do not apply
+    cfg = compose([f"model.path={model_dir}", f"model.device={device}", "train.lr=1e-6", *overrides])
     trainer = TorchTrainer(cfg, model_dir)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -168,7 +169,7 @@ def megatron_steps(model_dir: str, device: str, batch: list, steps: int) -> dict
     import torch.multiprocessing as mp
     from clawrl.config import compose
 
-    cfg = compose([f"model.device={device}", "train.lr=1e-6", "trainer.backend=megatron"])
+    cfg = compose([f"model.path={model_dir}", f"model.device={device}", "train.lr=1e-6", "trainer.backend=megatron"])
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -70,7 +70,8 @@ def main() -> None:
         torch.cuda.empty_cache()
         batch = train.samples(vocab, batch_n, seq)
         for mode in args.compile:
-            trainer = TorchTrainer(compose(["model.device=cuda", "train.lr=1e-6", f"train.compile={mode}"]), tmp)
+            trainer = TorchTrainer(compose([f"model.path={tmp}", "model.device=cuda", "train.lr=1e-6",
+                                           f"train.compile={mode}"]), tmp)
             kernels = profile_step(trainer, batch)
             del trainer
             torch.cuda.empty_cache()

@@ -54,6 +54,8 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
         assert t[key]["tok_s"] > 0 and t[key]["ratio_to_hf"] == pytest.approx(t["hf"]["step_s"] / t[key]["step_s"])
         assert t[key]["packed_attention"] and t[key]["commit"]
     assert t["torch_two_micro_batches"]["micro_batches"] == 2 and t["torch"]["micro_batches"] == 1
+    # the directory's own defaults apply (none), not the embedded model's KL reference: one forward a step
+    assert t["torch"]["pi_old_from_loss_forward"]
     m = t["megatron"]  # the megatron backend on the same directory and samples, against the torch trainer
     assert m["tok_s"] > 0 and m["ratio_to_torch"] == pytest.approx(t["torch"]["step_s"] / m["step_s"])
     assert m["micro_batches"] == 1 and m["pi_old_from_loss_forward"] and m["commit"]
