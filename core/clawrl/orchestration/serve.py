@@ -119,7 +119,6 @@ def serve_cli(args) -> int:
         except EnvError as e:
             raise CliError(str(e).splitlines()[0]) from None
     setup_logging(cfg.logging.level)  # clawrl at logging.level, libraries (httpx, uvicorn.access, ...) at WARNING
-    log.info("%s", model_defaults_report(cfg))  # before resolve_model: model.path null is the embedded model
     if cfg.trainer.backend == "megatron" and cfg.train.enabled and not _is_driver_node(cfg):
         return _serve_trainer_ranks_only(resolve_model(cfg))
     try:
@@ -133,6 +132,9 @@ def serve_cli(args) -> int:
         raise CliError(str(e)) from None
     try:
         sock = bind_socket(cfg.server.host, cfg.server.port)
+        # after the refusals above, which stay one line; from the unresolved config, in which model.path
+        # null still means the embedded model (a worker node's ranks share the driver's config and log)
+        log.info("%s", model_defaults_report(cfg))
         try:
             _serve_on(sock, resolve_model(cfg))  # after binding: a port in use fails before a model build
         finally:
