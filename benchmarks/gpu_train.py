@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -168,14 +167,12 @@ def megatron_steps(model_dir: str, device: str, batch: list, steps: int) -> dict
         return {"skipped": f"megatron-core is not installed ({e})"}
     import torch.multiprocessing as mp
     from clawrl.config import compose
+    from clawrl.trainers.megatron.parity import free_port
 
     cfg = compose([f"model.path={model_dir}", f"model.device={device}", "train.lr=1e-6", "trainer.backend=megatron"])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "megatron.json"
-        mp.start_processes(_megatron_rank, args=(cfg, model_dir, batch, steps, str(out), port), nprocs=1,
+        mp.start_processes(_megatron_rank, args=(cfg, model_dir, batch, steps, str(out), free_port()), nprocs=1,
                            join=True, start_method="spawn")
         return json.loads(out.read_text())
 
