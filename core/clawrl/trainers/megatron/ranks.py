@@ -43,7 +43,7 @@ from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sampl
                                      trained_mask)
 from clawrl.trainers.megatron import convert
 from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
-from clawrl.trainers.objective import FullLogits, Objective, StepStats
+from clawrl.trainers.objective import FullLogits, Objective, StepStats, VocabOps
 
 log = logging.getLogger(__name__)
 # megatron-core warns once per import, in every rank, that apex/transformer-engine are missing; the
@@ -231,7 +231,7 @@ class MegatronRanks:
             forward_step_func=step, data_iterator=iter(batches), model=[model], num_microbatches=len(batches),
             seq_length=max(mb.num_tokens for mb in batches), micro_batch_size=1, forward_only=forward_only) or []
 
-    def _ops(self, logits: torch.Tensor, mb: MicroBatch):
+    def _ops(self, logits: torch.Tensor, mb: MicroBatch) -> VocabOps:
         """``VocabOps`` over the last stage's logits of ``mb``. With the vocabulary in one shard (tp=1),
         the torch trainer's ``FullLogits`` on the model's own (bf16 on a GPU) logits: chunked passes that
         keep no float32 ``[T, V]`` copy (10 GB for 16k tokens of a 150k vocabulary); split over TP
@@ -299,7 +299,7 @@ class MegatronRanks:
 
         # pi_old (and the reference) on the last stage, before any gradient: from their own no-grad
         # pass, or (pi_old_from_loss_forward) from the loss's forward of each micro-batch below.
-        def old_info(ops: ShardLogits, mb: MicroBatch) -> dict:
+        def old_info(ops: VocabOps, mb: MicroBatch) -> dict:
             old = ops.logprobs(mb.targets).detach()
             with torch.no_grad():
                 return {"old": old, "entropy_sum": float((ops.entropy() * mb.loss_mask).sum()),
