@@ -49,13 +49,9 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     lengths = [b - a for a, b in segments]
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout and _varlen_ok[0]:
-        try:
-            return _flash_varlen(query, key, value, lengths, scaling), None
-        except (RuntimeError, AttributeError) as e:  # no such kernel in this build, or it refused the shapes
-            _varlen_ok[0] = False
-            log.info("varlen flash attention unavailable (%s): one SDPA call per sequence",
-                     str(e).splitlines()[0] if str(e) else type(e).__name__)
+    out = None if dropout else _try_varlen(query, key, value, lengths, scaling)
+    if out is not None:
+        return out, None
     # split, not slice: split's backward is one concatenation, a slice's a zero-filled full copy each
     outs = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
                                    **kwargs)[0]
@@ -66,18 +62,28 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
 _varlen_ok = [True]  # until the kernel is found missing in this process
 
 
+def _try_varlen(query, key, value, lengths: list[int], scaling: float | None) -> torch.Tensor | None:
+    """``_flash_varlen`` on a GPU in half precision; None where it cannot run (then this process stops
+    trying once the kernel is found missing or refuses the shapes), for the per-sequence path."""
+    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_ok[0]):
+        return None
+    try:
+        return _flash_varlen(query, key, value, lengths, scaling)
+    except (RuntimeError, AttributeError) as e:  # no such kernel in this build, or it refused the shapes
+        _varlen_ok[0] = False
+        log.info("varlen flash attention unavailable (%s): one SDPA call per sequence",
+                 str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
 def causal_within(query, key, value, lengths: list[int], scaling: float | None) -> torch.Tensor:
     """Causal attention within each of the consecutive sequences of ``lengths``, for callers that
     are not transformers models (the megatron backend's core attention): ``query`` ``[1, H, L, D]``,
     ``key``/``value`` ``[1, H, L, D]`` (heads already matched), ``[1, L, H, D]`` out. One varlen
     flash call on a GPU in half precision, else one SDPA ``is_causal`` call per sequence."""
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_ok[0]:
-        try:
-            return _flash_varlen(query, key, value, lengths, scaling)
-        except (RuntimeError, AttributeError) as e:
-            _varlen_ok[0] = False
-            log.info("varlen flash attention unavailable (%s): one SDPA call per sequence",
-                     str(e).splitlines()[0] if str(e) else type(e).__name__)
+    out = _try_varlen(query, key, value, lengths, scaling)
+    if out is not None:
+        return out
     outs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))]
     return torch.cat(outs, dim=2).transpose(1, 2)
