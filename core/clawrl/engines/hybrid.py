@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from clawrl.engines.delta_rule import TorchDeltaRule, l2norm, resolve
-from clawrl.engines.ragged import BATCH_DECODE_MAX_CONTEXT, RaggedForward, Segment, SeqKV, _DecodePool, to_device
+from clawrl.engines.ragged import (BATCH_DECODE_MAX_CONTEXT, RaggedForward, Segment, SeqKV, _DecodePool,
+                                   segment_inputs, to_device)
 
 log = logging.getLogger(__name__)
 
@@ -202,12 +203,7 @@ class HybridForward:
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """Fp32 logits ``[sum(len(logit_rows)), vocab]`` in segment order; advances each state."""
         dev = self.inner.embed_tokens.weight.device
-        lens = [len(s.ids) for s in segments]
-        starts = [s.kv.length for s in segments]
-        for s, n in zip(segments, lens):
-            s.kv.ensure(s.kv.length + n)
-        ids = to_device([t for s in segments for t in s.ids], dev)
-        pos = to_device([p for st, n in zip(starts, lens) for p in range(st, st + n)], dev)
+        lens, starts, ids, pos = segment_inputs(segments, dev)
         x = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(x[None], self._rope_positions(pos))
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [n, 1, rotary_dim]

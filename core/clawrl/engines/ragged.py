@@ -117,6 +117,18 @@ def to_device(values: list, dev: torch.device, dtype: torch.dtype = torch.long) 
     return t.pin_memory().to(dev, non_blocking=True)
 
 
+def segment_inputs(segments: list[Segment], dev: torch.device):
+    """A step's inputs, the segments end to end: each segment's length and start position, the token
+    ids and their positions on ``dev``; each segment's cache is first grown to hold its new tokens."""
+    lens = [len(s.ids) for s in segments]
+    starts = [s.kv.length for s in segments]
+    for s, n in zip(segments, lens):
+        s.kv.ensure(s.kv.length + n)
+    ids = to_device([t for s in segments for t in s.ids], dev)
+    pos = to_device([p for st, n in zip(starts, lens) for p in range(st, st + n)], dev)
+    return lens, starts, ids, pos
+
+
 def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     """The HF Llama-family RMSNorm (fp32 statistics, weight applied in the input dtype) through
     torch's fused ``rms_norm``: one pass instead of the module's five elementwise ops, which on
@@ -256,12 +268,7 @@ class RaggedForward:
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """Fp32 logits ``[sum(len(logit_rows)), vocab]`` in segment order; fills each KV."""
         dev = self.inner.embed_tokens.weight.device
-        lens = [len(s.ids) for s in segments]
-        starts = [s.kv.length for s in segments]
-        for s, n in zip(segments, lens):
-            s.kv.ensure(s.kv.length + n)
-        ids = to_device([t for s in segments for t in s.ids], dev)
-        pos = to_device([p for st, n in zip(starts, lens) for p in range(st, st + n)], dev)
+        lens, starts, ids, pos = segment_inputs(segments, dev)
         x = self.inner.embed_tokens(ids)
         cos, sin = self.rope_tables(x, pos)
         total = ids.shape[0]
