@@ -575,6 +575,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-attention", choices=ATTENTIONS, default="sdpa",
                     help="engine.decode_attention; decode figures of another than the default (sdpa) go under "
                          "decode_<name>")
+    ap.add_argument("--train-variants", default=None,
+                    help="comma-separated torch trainer variants for --part train (default: all of them; "
+                         "'default' is always measured)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.shape or ("qwen3-1.7b" if device == "cuda" else "tiny")
@@ -592,7 +595,8 @@ def main(argv=None) -> int:
 
         def words_tokenizer(model_dir: Path) -> None:  # the trainer loads one; the ids are random
             save_tokenizer(train_tokenizer(["the model has random weights"] * 8, vocab_size=300), model_dir, 8192)
-        train = run_train(build_model, shape, device, words_tokenizer)
+        only = args.train_variants.split(",") if args.train_variants else None
+        train = run_train(build_model, shape, device, words_tokenizer, only)
         for key, d in train.items():
             if isinstance(d, dict):
                 d.update(stamp, shape=shape)

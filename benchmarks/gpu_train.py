@@ -185,9 +185,10 @@ def variants(tokens: int) -> list[tuple[str, list[str]]]:
             ("compiled", ["train.compile=on"])]
 
 
-def run_train(build_model, shape: str, device: str, save_tokenizer) -> dict:
+def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[str] | None = None) -> dict:
     """The train part's figures (``build_model(shape, device)`` makes the probe's model;
-    ``save_tokenizer(dir)`` writes a tokenizer beside the saved weights)."""
+    ``save_tokenizer(dir)`` writes a tokenizer beside the saved weights). ``only`` names the torch
+    variants to measure (all when None; "default" is always measured, since the ratios need it)."""
     batch, seq, steps = TRAIN_SIZES[shape]
     ceiling = matmul_tflops(device)
     model = build_model(shape, device)
@@ -209,6 +210,8 @@ def run_train(build_model, shape: str, device: str, save_tokenizer) -> dict:
             torch.cuda.empty_cache()
         data = samples(cfg.vocab_size, batch, seq)
         for name, overrides in variants(tokens):
+            if only is not None and name != "default" and name not in only:
+                continue
             times, info = clawrl_steps(str(model_dir), device, data, steps, overrides)
             s = statistics.median(times)
             out["torch" if name == "default" else f"torch_{name}"] = {
