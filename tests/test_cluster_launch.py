@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from clawrl.cluster.control import ClusterError
-from clawrl.cluster.launch import check_master, read_node_env, run_worker_node, start_trainer_ranks
+from clawrl.cluster.launch import check_master, free_ports, read_node_env, run_worker_node, start_trainer_ranks
 from clawrl.cluster.layout import check_layout, describe_layout, read_hf_config
 from clawrl.cluster.probe import PROGRAM
 from clawrl.config import ConfigError, compose
@@ -98,6 +98,17 @@ def test_node_0_must_own_master_addr_and_its_port():
         port = busy.getsockname()[1]
         with pytest.raises(ConfigError, match=rf"^MASTER_PORT {port} on 127.0.0.1 is in use"):
             check_master(read_node_env(cfg, launch_env(MASTER_PORT=port)))
+
+
+def test_one_machine_picks_its_ports_below_the_ephemeral_range():
+    """Ports the kernel hands to outgoing connections could be taken between the pick and the use."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(5):
+        port = free_ports("127.0.0.1", 4)
+        assert 10000 <= port and port + 3 < low
+        for p in range(port, port + 4):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))  # each of the four is free
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "192.0.2.1"])  # a closed port; TEST-NET (no route or no answer)

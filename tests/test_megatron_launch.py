@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -25,6 +24,8 @@ pytest.importorskip("megatron.core")
 from engine_testing import make_model_dir  # noqa: E402
 from gateway_support import free_port  # noqa: E402
 from recipe_support import wait_until  # noqa: E402
+
+from clawrl.cluster.launch import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "CLAWRL_CLUSTER_KEY")
@@ -49,21 +50,9 @@ def node_env(**launch) -> dict:
 
 
 def master_port() -> int:
-    """A free MASTER_PORT whose control (+1) and weight-sync (+2) ports are free too."""
-    for _ in range(50):
-        port = free_port()
-        if port + 2 < 65536 and all(bindable(port + i) for i in (1, 2)):
-            return port
-    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
-
-
-def bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    """A free MASTER_PORT whose derived ports (control +1, weight sync +2) are free too, picked as
+    the launcher picks one."""
+    return free_ports("127.0.0.1", 3)
 
 
 def fast_overrides(model_dir: Path, run_dir: Path) -> list[str]:

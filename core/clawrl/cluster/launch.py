@@ -18,6 +18,7 @@ import atexit
 import errno
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -91,7 +92,7 @@ def read_node_env(cfg: ClawrlConfig, environ: Mapping[str, str] | None = None) -
     elif nnodes > 1:
         port = DEFAULT_MASTER_PORT
     else:
-        port = _free_ports(addr, 4)  # MASTER_PORT, control, sync, SGLang's weights-update group
+        port = free_ports(addr, 4)  # MASTER_PORT, control, sync, SGLang's weights-update group
     control = cfg.cluster.control_port or port + 1
     sync = cfg.cluster.sync_port or port + 2
     for name, value in (("MASTER_PORT", port), ("cluster.control_port", control), ("cluster.sync_port", sync)):
@@ -121,15 +122,27 @@ def _default_procs(cfg: ClawrlConfig) -> int:
     return _cuda_devices() or cfg.cluster.procs_per_node
 
 
-def _free_ports(host: str, count: int) -> int:
-    """A free port p with p+1 .. p+count-1 free too (MASTER_PORT and the ports derived from it)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + count <= 65536 and all(_bindable(host, port + i) for i in range(count)):
+def free_ports(host: str, count: int) -> int:
+    """A free port p with p+1 .. p+count-1 free too (MASTER_PORT and the ports derived from it).
+
+    Picked below the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be taken
+    again, between this check and its use, as the local port of any outgoing connection (gloo's
+    and the TCP store's own among them), which once failed a run with EADDRINUSE."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low - count))
+        if all(_bindable(host, port + i) for i in range(count)):
             return port
-    raise ConfigError(f"no {count} consecutive free ports on {host}; set MASTER_PORT")
+    raise ConfigError(f"no {count} consecutive free ports on {host} below {low}; set MASTER_PORT")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux's default, 32768, elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _bindable(host: str, port: int) -> bool:

@@ -64,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         conn.send_bytes(_dumps({"world_size": dist.get_world_size(), "error": error}))
     if error:
         log.error("%s", error)
-        return 1
+        # Skip interpreter teardown: it would destroy the process groups' C++ threads while they
+        # still run, which aborts the rank (SIGABRT, "terminate called without an active
+        # exception") and hides the exit status that says the build failed.
+        logging.shutdown()
+        os._exit(1)
     try:
         _serve(program, conn, control, heartbeat_s=max(1.0, min(timeout_s / 4, 30.0)))
     except Exception as e:  # a collective failed: a peer rank died or the world is broken; nothing to resume
