@@ -125,7 +125,8 @@ def clawrl_steps(model_dir: str, device: str, batch: list, steps: int, overrides
     info = {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
             "param_dtype": str(trainer.param_dtype).removeprefix("torch."), "packed_attention": trainer.packed,
-            "pi_old_from_loss_forward": trainer.pi_old_from_loss_forward, "micro_batches": last["micro_batches"]}
+            "pi_old_from_loss_forward": trainer.pi_old_from_loss_forward, "micro_batches": last["micro_batches"],
+            "compiled_modules": trainer.compiled}
     del trainer
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -182,7 +183,7 @@ def variants(tokens: int) -> list[tuple[str, list[str]]]:
     return [("default", []), ("gradient_checkpointing", ["train.gradient_checkpointing=true"]),
             ("two_micro_batches", [f"train.micro_batch_tokens={tokens // 2}"]),
             ("float32_params_autocast", ["train.param_dtype=float32"]),
-            ("compiled", ["train.compile=on"])]
+            ("compiled", ["train.compile=on"]), ("eager", ["train.compile=off"])]
 
 
 def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[str] | None = None) -> dict:

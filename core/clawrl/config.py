@@ -188,8 +188,9 @@ class TrainConfig:
                                      "forward/backward.", ge=1)
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass: less memory, "
                                           "slower steps.")
-    compile: str = option("off", "Torch trainer: torch.compile each decoder layer's norms and MLP (fused "
-                          "elementwise kernels; the first steps compile): on | off | auto (on a GPU only).",
+    compile: str = option("auto", "Torch trainer: torch.compile each decoder layer's norms and MLP (fused "
+                          "elementwise kernels; the first steps compile): on | off | auto (on a GPU only; "
+                          "1.27x the eager step on the Qwen3-1.7B shape, BENCHMARKS.md).",
                           choices=("off", "on", "auto"))
     param_dtype: str = option("auto", "Torch trainer's parameters: bfloat16 (bf16 weights, float32 master weights, "
                               "gradients and AdamW state) | float32 (float32 weights, bf16 autocast on a GPU) | "
