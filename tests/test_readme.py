@@ -67,7 +67,8 @@ def test_readme_install_matches_ci_install():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     for pinned in ("-r requirements-sdists.txt", "-r requirements.txt -c constraints.txt",
-                   "--no-deps -r requirements-sglang.txt"):
+                   "--no-deps -r requirements-sglang.txt", "-r requirements-sglang-io-struct.txt",
+                   '--target "$CLAWRL_HOME/sglang-io-struct"'):
         assert pinned in readme and pinned in ci, pinned
     assert "pip install -e ." in readme and "-e ." in ci
 

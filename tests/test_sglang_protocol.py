@@ -1,13 +1,13 @@
 """The SGLang adapter held to SGLang's own source (requirements-sglang.txt: sglang 0.5.23).
 
-SGLang's request classes cannot be imported here: ``sglang.srt.managers.io_struct`` imports
-torchvision (through schedule_batch and its model configs), and PyPI's torchvision links CUDA torch.
-So these tests read the installed source with ``ast``: every request the adapter builds must use
-only fields of the SGLang class it is for (with valid literal values), the methods it calls on
-SGLang's TokenizerManager must exist with the arguments passed, and every key it reads from a
-response must appear literally in SGLang's source. The adapter's parsing is then run on responses
-shaped as SGLang's tokenizer manager builds them. ``CLAWRL_REQUIRE=sglang`` (CI) turns the skip
-for a missing sglang into a failure. The last test runs a real SGLang engine, opt-in.
+Most tests read the installed source with ``ast``: every request the adapter builds must use only
+fields of the SGLang class it is for (with valid literal values), the methods it calls on SGLang's
+TokenizerManager must exist with the arguments passed, and every key it reads from a response must
+appear literally in SGLang's source. The adapter's parsing is then run on responses shaped as
+SGLang's tokenizer manager builds them. One test constructs every request through SGLang's own
+classes, in a subprocess on requirements-sglang-io-struct.txt (tests/sglang_requests_check.py says
+why not in this process). ``CLAWRL_REQUIRE=sglang`` (CI) turns a skip for a missing sglang or a
+missing io_struct install into a failure. The last test runs a real SGLang engine, opt-in.
 """
 from __future__ import annotations
 
@@ -15,19 +15,25 @@ import ast
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from clawrl.engines import sglang_engine as se
 from clawrl.engines.base import EngineError, SamplingParams
-from tests import sglang_source
+from clawrl.paths import data_dir
+from tests import sglang_requests_check, sglang_source
 from tests.required_tools import skip_unless_available
 
 SPEC = importlib.util.find_spec("sglang")  # finds the package without importing it
 ADAPTER = Path(se.__file__)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +66,8 @@ def _literal_values(ann: ast.AnnAssign) -> set[str]:
     return {n.value for n in ast.walk(ann.annotation) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
 
-def _requests():
-    p = SamplingParams(max_new_tokens=5, temperature=0.7, top_p=0.9, top_k=20, stop=("\n",),
-                       stop_token_ids=(7,), seed=3, top_logprobs=2, ignore_eos=True)
-    return {
-        "GenerateReqInput": [se.generate_request([1, 2, 3], p, "r1"), se.score_request([1, 2], [3, 4], 2, 1.0)],
-        "UpdateWeightsFromTensorReqInput": [se.update_from_tensor_request(b"x", 4)],
-        "UpdateWeightFromDiskReqInput": [se.update_from_disk_request("/m", 4)],
-        "PauseGenerationReqInput": [se.pause_request()],
-        "ContinueGenerationReqInput": [se.continue_request()],
-        "BeginWeightUpdateReqInput": [se.begin_update_request()],
-        "EndWeightUpdateReqInput": [se.end_update_request()],
-        "InitWeightsUpdateGroupReqInput": [se.init_group_request(GROUP)],
-        "DestroyWeightsUpdateGroupReqInput": [se.destroy_group_request(GROUP)],
-        "UpdateWeightsFromDistributedReqInput": [se.update_from_distributed_request(BUCKET, GROUP, 4)],
-    }
-
-
-GROUP = se.WeightGroup("10.0.0.1", 29600, 2, "clawrl_weights_x_0", "nccl")
-BUCKET = se.BucketMeta(("model.norm.weight", "lm_head.weight"), ("bfloat16", "bfloat16"), ((8,), (16, 8)))
+_requests = sglang_requests_check.requests
+GROUP, BUCKET = sglang_requests_check.GROUP, sglang_requests_check.BUCKET
 
 
 def test_every_request_field_is_a_field_of_sglangs_class(src):
@@ -295,35 +284,35 @@ def _import_error(module: str) -> str | None:
     return None
 
 
-def test_every_request_is_built_through_sglangs_own_classes(src):
-    """Where SGLang's io_struct imports (a GPU image with SGLang's dependencies): every request the
-    adapter builds is constructed through the adapter's own path into SGLang's class, survives
-    SGLang's IPC encoding with its types checked, and a generate request passes SGLang's
-    normalisation and sampling-parameter checks. Skipped, not failed, under CLAWRL_REQUIRE=sglang:
-    CI installs the sglang package alone (README, Limitations)."""
-    why = _import_error("sglang.srt.managers.io_struct")
-    if why:
-        pytest.skip(f"sglang.srt.managers.io_struct does not import here ({why}): it needs torchvision, which does "
-                    "not load beside the CPU torch, and SGLang's other dependencies; runs on an image where it imports")
-    import msgspec
-    from sglang.srt.managers import io_struct
-    from sglang.srt.sampling.sampling_params import SamplingParams as SGLSamplingParams
+IO_STRUCT_INSTALL = ('pip install --no-deps --require-hashes --upgrade --target "$CLAWRL_HOME/sglang-io-struct" '
+                     '-r requirements-sglang-io-struct.txt')
 
-    for name, reqs in _requests().items():
-        for kwargs in reqs:
-            obj = se._sgl_request(name, kwargs)  # the adapter's own construction
-            assert isinstance(obj, getattr(io_struct, name))
-            assert all(getattr(obj, k) == v for k, v in kwargs.items()), name
-            if isinstance(obj, msgspec.Struct):  # SGLang's IPC: msgpack, types checked on decode
-                assert msgspec.msgpack.decode(msgspec.msgpack.encode(obj), type=type(obj)) == obj, name
-            if name == "GenerateReqInput":
-                obj.normalize_batch_and_arguments()
-                assert obj.is_single and obj.input_ids == kwargs["input_ids"] and obj.return_logprob is True
-                assert obj.logprob_start_len == kwargs["logprob_start_len"]
-                SGLSamplingParams(**kwargs["sampling_params"]).verify(32000)
-    with pytest.raises(TypeError):  # a misspelt field is refused by SGLang's class itself
-        se._sgl_request("UpdateWeightsFromDistributedReqInput",
-                        {**se.update_from_distributed_request(BUCKET, GROUP, 1), "flush": True})
+
+def _io_struct_dir() -> Path | None:
+    """``$CLAWRL_HOME/sglang-io-struct`` (requirements-sglang-io-struct.txt) when it is installed."""
+    target = data_dir() / "sglang-io-struct"
+    return target if (target / "torchvision").is_dir() and (target / "msgspec").is_dir() else None
+
+
+def test_every_request_is_built_through_sglangs_own_classes(src):
+    """Every request the adapter builds is constructed through the adapter's own path into SGLang's
+    class, survives SGLang's IPC encoding with its types checked, and a generate request passes
+    SGLang's normalisation and sampling-parameter checks; a misspelt field is refused by SGLang's
+    class. In a subprocess (tests/sglang_requests_check.py says why); under CLAWRL_REQUIRE=sglang a
+    missing torchvision fails instead of skipping."""
+    deps = _io_struct_dir()
+    skip_unless_available("sglang", f"SGLang's io_struct dependencies are not installed ({IO_STRUCT_INSTALL})",
+                          available=deps is not None)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(deps), str(ROOT / "core"), str(ROOT),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "tests.sglang_requests_check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["checked"] == {name: len(reqs) for name, reqs in _requests().items()}
+    assert report["misspelt_field_refused"] is True
+    if not torch.cuda.is_available():  # PyPI's torchvision beside the CPU torch: its faked operators declared
+        assert report["declared_torchvision_operators"] == ["nms", "qnms"]
 
 
 @pytest.mark.sglang_server
