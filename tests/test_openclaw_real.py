@@ -209,7 +209,9 @@ def timed_turn(run, session_id: str, message: str) -> tuple[dict, float]:
 
 
 M1 = "Hello! What is the capital of France?"
-M2 = "Thanks. And what is 7+5?"
+# The second message, one phrasing per attempt (two_turns): the server samples reproducibly, so a
+# session that got a malformed reply would get it again for the same words.
+M2S = ("Thanks. And what is 7+5?", "Thanks! Tell me about yourself.", "Great, thank you.", "Thanks. What is 3+4?")
 
 
 # The tiny model sometimes answers M2 with a malformed <tool_call> block (OpenClaw's prompt differs
@@ -217,20 +219,20 @@ M2 = "Thanks. And what is 7+5?"
 # previous attempt did not produce a user-visible answer...": a third main turn, which clawrl rightly
 # stores with that message as turn 2's next state), or gives up on the turn ("Agent couldn't generate
 # a response", exit 1, '"reason": "format"'). Both are the model's doing; the tests need the plain
-# two-turn conversation, so such a session is set aside and a fresh one started.
+# two-turn conversation, so such a session is set aside and a fresh one started with the next M2.
 MODEL_FORMAT_FAILURE = '"reason": "format"'
-ATTEMPTS = 4
+ATTEMPTS = len(M2S)
 
 
-def two_turns(run, name: str, stored) -> tuple[str, list[dict], list[float]]:
+def two_turns(run, name: str, stored) -> tuple[str, str, list[dict], list[float]]:
     """M1 then M2 in a new session, ``run(session_id, message)`` for each; ``stored(session_id)`` is
     the session's stored turns. A fresh session (``name``, then ``name-1``, ...) when OpenClaw
-    rejected a reply or asked again (above). Returns the session id used, the two results and
-    their wall times."""
+    rejected a reply or asked again (above). Returns the session id and second message used, the
+    two results and their wall times."""
     for attempt in range(ATTEMPTS):
-        sid = f"{name}-{attempt}" if attempt else name
+        sid, m2 = (f"{name}-{attempt}" if attempt else name), M2S[attempt]
         try:
-            (r1, wall1), (r2, wall2) = timed_turn(run, sid, M1), timed_turn(run, sid, M2)
+            (r1, wall1), (r2, wall2) = timed_turn(run, sid, M1), timed_turn(run, sid, m2)
         except RuntimeError as e:
             if MODEL_FORMAT_FAILURE not in str(e):
                 raise
@@ -238,7 +240,7 @@ def two_turns(run, name: str, stored) -> tuple[str, list[dict], list[float]]:
             continue
         main = [t for t in stored(sid) if t["turn_type"] == "main"]
         if len(main) == 2:
-            return sid, [r1, r2], [wall1, wall2]
+            return sid, m2, [r1, r2], [wall1, wall2]
         print(f"{sid}: {len(main)} main turns (OpenClaw asked again after a reply it could not use); a new session")
     pytest.fail(f"OpenClaw did not get a usable reply to both turns in any of {ATTEMPTS} sessions")
 
@@ -254,9 +256,9 @@ def stock_session(tmp_path_factory, server):
     def stored(s):
         return [t for t in server.turns() if mentions(t, f"sessionId={s} ")]  # OpenClaw's runtime line
 
-    sid, (r1, r2), (wall1, wall2) = two_turns(run, "oc-stock", stored)
+    sid, m2, (r1, r2), (wall1, wall2) = two_turns(run, "oc-stock", stored)
     mine = stored(sid)
-    return {"results": [r1, r2], "wall": [wall1, wall2], "turns": mine}
+    return {"m2": m2, "results": [r1, r2], "wall": [wall1, wall2], "turns": mine}
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +266,7 @@ def plugin_session(tmp_path_factory, server):
     """Through ``openclaw gateway run`` with the plugin: two user turns, a heartbeat, then ``/new``."""
     home = _home(tmp_path_factory, "openclaw-plugin", server.snippet, plugin=True)
     with openclaw_cli.Gateway(home) as gw:
-        sid, (r1, r2), (wall1, wall2) = two_turns(gw.agent_turn, "oc-plugin", lambda s: server.session(s)["turns"])
+        sid, m2, (r1, r2), (wall1, wall2) = two_turns(gw.agent_turn, "oc-plugin", lambda s: server.session(s)["turns"])
         before_heartbeat = server.session(sid)["turns"]
         gw.system_event(f"agent:main:explicit:{sid}", "Check whether the nightly build finished.")
         wait_until(lambda: [t for t in server.session(sid)["turns"] if t["turn_type"] == "side"], 300,
@@ -274,7 +276,7 @@ def plugin_session(tmp_path_factory, server):
                             and t["turn_type"] == "side" and t["response_tokens"] <= 1], 120,
                    "the plugin's closing request")
     turns = [t for t in server.turns() if t["session_id"] == sid]
-    return {"sid": sid, "results": [r1, r2], "wall": [wall1, wall2], "before_heartbeat": before_heartbeat,
+    return {"sid": sid, "m2": m2, "results": [r1, r2], "wall": [wall1, wall2], "before_heartbeat": before_heartbeat,
             "turns": turns}
 
 
@@ -300,7 +302,7 @@ def test_two_openclaw_turns_on_the_embedded_default_are_answered_and_linked(serv
     assert second["parent_turn_id"] == first["turn_id"] and second["link_rule"] == "prefix"
     assert first["close_reason"] == "next_state"
     assert [m["role"] for m in first["next_state"]] == ["user"]
-    assert M2 in text_of(first["next_state"][0]) and INTERNAL_CONTEXT not in json.dumps(first["next_state"])
+    assert stock_session["m2"] in text_of(first["next_state"][0]) and INTERNAL_CONTEXT not in json.dumps(first["next_state"])
     assert second["next_state"] is None and second["close_reason"] is None  # open until the session goes on
     assert all(t["type_rule"] == "default_main" for t in main)
     # each turn after the first reuses the prefix cache: bounded well below a cold 40 KB prefill
@@ -323,7 +325,7 @@ def test_plugin_headers_store_turns_under_openclaws_session_id_as_main(server, p
         assert t["session_id"] == sid and t["type_rule"] == "header" and t["status"] == "complete", t
     first, second = main
     assert second["parent_turn_id"] == first["turn_id"] and second["link_rule"] == "prefix"
-    assert M2 in text_of(first["next_state"][0])
+    assert plugin_session["m2"] in text_of(first["next_state"][0])
     for r in plugin_session["results"]:
         assert f'"sessionId": "{sid}"' in json.dumps(r)
 
