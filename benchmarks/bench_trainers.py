@@ -112,8 +112,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_model(Path(tmp) / "model", args.preset))
-        cfg = compose([f"model.path={model_dir}", f"model.device={device}", f"train.micro_batch_tokens={args.micro_batch_tokens}",
-                       "train.lr=1e-6", "train.tis_cap=null"])
+        cfg = compose([f"model.path={model_dir}", f"model.device={device}",
+                       f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.lr=1e-6", "train.tis_cap=null"])
         samples = batch(PRESETS[args.preset]["vocab_size"], args.samples, args.prompt, args.response)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 

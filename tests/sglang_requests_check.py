@@ -5,9 +5,9 @@ because importing ``sglang.srt.managers.io_struct`` needs torchvision (SGLang's 
 it at module level), and PyPI's torchvision wheel links CUDA torch: beside the CPU torch its C
 operators do not load and its Python side stops at registering fake kernels for two of them
 (``operator torchvision::nms does not exist``). transformers then fails to import any model class
-in that process, so torchvision lives in its own directory
-(``pip install --no-deps --target "$CLAWRL_HOME/sglang-torchvision" -r requirements-sglang-torchvision.txt``)
-that only this subprocess puts on its path.
+in that process, and importing sglang patches transformers in place, so SGLang's dependencies live
+in a directory of their own (requirements-sglang-io-struct.txt, installed with ``pip --target`` into
+``$CLAWRL_HOME/sglang-io-struct``) that only this subprocess puts on its path.
 
 Where torchvision's operators did not load, their schemas are declared here first, with no kernel:
 torchvision's Python side imports, and any call of them still raises. SGLang's request classes never

@@ -302,7 +302,8 @@ def test_two_openclaw_turns_on_the_embedded_default_are_answered_and_linked(serv
     assert second["parent_turn_id"] == first["turn_id"] and second["link_rule"] == "prefix"
     assert first["close_reason"] == "next_state"
     assert [m["role"] for m in first["next_state"]] == ["user"]
-    assert stock_session["m2"] in text_of(first["next_state"][0]) and INTERNAL_CONTEXT not in json.dumps(first["next_state"])
+    assert stock_session["m2"] in text_of(first["next_state"][0])
+    assert INTERNAL_CONTEXT not in json.dumps(first["next_state"])
     assert second["next_state"] is None and second["close_reason"] is None  # open until the session goes on
     assert all(t["type_rule"] == "default_main" for t in main)
     # each turn after the first reuses the prefix cache: bounded well below a cold 40 KB prefill

@@ -28,7 +28,9 @@ import torch
 from clawrl.engines import sglang_engine as se
 from clawrl.engines.base import EngineError, SamplingParams
 from clawrl.paths import data_dir
-from tests import sglang_requests_check, sglang_source
+from tests import sglang_source
+from tests.sglang_requests_check import BUCKET, GROUP
+from tests.sglang_requests_check import requests as _requests
 from tests.required_tools import skip_unless_available
 
 SPEC = importlib.util.find_spec("sglang")  # finds the package without importing it
@@ -66,8 +68,6 @@ def _literal_values(ann: ast.AnnAssign) -> set[str]:
     return {n.value for n in ast.walk(ann.annotation) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
 
-_requests = sglang_requests_check.requests
-GROUP, BUCKET = sglang_requests_check.GROUP, sglang_requests_check.BUCKET
 
 
 def test_every_request_field_is_a_field_of_sglangs_class(src):
@@ -299,7 +299,7 @@ def test_every_request_is_built_through_sglangs_own_classes(src):
     class, survives SGLang's IPC encoding with its types checked, and a generate request passes
     SGLang's normalisation and sampling-parameter checks; a misspelt field is refused by SGLang's
     class. In a subprocess (tests/sglang_requests_check.py says why); under CLAWRL_REQUIRE=sglang a
-    missing torchvision fails instead of skipping."""
+    missing io_struct install fails instead of skipping."""
     deps = _io_struct_dir()
     skip_unless_available("sglang", f"SGLang's io_struct dependencies are not installed ({IO_STRUCT_INSTALL})",
                           available=deps is not None)

@@ -129,9 +129,8 @@ def free_ports(host: str, count: int) -> int:
     again, between this check and its use, as the local port of any outgoing connection (gloo's
     and the TCP store's own among them), which once failed a run with EADDRINUSE."""
     low = _ephemeral_low()
-    rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(10000, max(10001, low - count))
+        port = random.randrange(10000, max(10001, low - count))
         if all(_bindable(host, port + i) for i in range(count)):
             return port
     raise ConfigError(f"no {count} consecutive free ports on {host} below {low}; set MASTER_PORT")
