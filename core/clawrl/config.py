@@ -215,6 +215,14 @@ class TrainConfig:
     kl_coef: float = option(0.0, "KL to the reference policy: coefficient; 0: off.", ge=0)
     kl_estimator: str = option("k3", "KL estimator: k1 | k2 | k3.", choices=("k1", "k2", "k3"))
     kl_in_reward: bool = option(False, "true: the KL is folded into the advantage; false: a loss term.")
+    replay_coef: float = option(0.0, "Reference replay: each step the frozen starting policy (the KL's reference) "
+                                "writes its own reply to every distinct prompt of the step, and the policy trains "
+                                "on those token ids with token NLL times this coefficient, so that what the "
+                                "user's feedback does not judge is pulled back toward the start; 0: off. Torch "
+                                "trainer only.", ge=0)
+    replay_temperature: float = option(0.0, "Sampling temperature of the reference's replayed reply "
+                                       "(train.replay_coef); 0: greedy.", ge=0)
+    replay_max_tokens: int = option(256, "Most tokens of the reference's replayed reply (train.replay_coef).", ge=1)
     entropy_coef: float = option(0.0, "Weight of the entropy bonus; 0: off (negative: an entropy penalty).")
     tis_cap: Optional[float] = option(2.0, "Rollout/trainer mismatch: truncated importance sampling cap on "
                                       "pi_old/pi_rollout; null: off.", gt=0)
@@ -566,6 +574,10 @@ def _cross_problems(cfg: ClawrlConfig) -> list[tuple[str, str]]:
                     f"{_num(cfg.combine.w_opd)}: method=combine needs at least one weight > 0, or "
                     "opd.hinted_sample=true (nothing would train)"))
     t = cfg.train
+    if t.replay_coef > 0 and cfg.trainer.backend != "torch":
+        out.append(("train.replay_coef", f"train.replay_coef={_num(t.replay_coef)} with trainer.backend="
+                    f"{cfg.trainer.backend}: the reference replay runs in the torch trainer only (set "
+                    "train.replay_coef=0, or trainer.backend=torch)"))
     if t.max_batch_size is not None and t.max_batch_size < t.batch_size:
         out.append(("train.max_batch_size", f"train.max_batch_size={t.max_batch_size} and train.batch_size="
                     f"{t.batch_size}: a step takes at least batch_size, so the bound must be at least that"))

@@ -57,6 +57,9 @@ class Sample:
     extra: dict = field(default_factory=dict)
     source: str = TURN
     source_id: int = 0  # the id of the source row; 0 for a sample that was never stored
+    # train.replay_coef: the frozen reference's own reply to ``prompt_ids`` (token ids as generated), which
+    # the torch trainer writes just before the step and trains on with token NLL; None: no replay
+    replay_ids: list[int] | None = None
 
     @property
     def origin(self) -> str:

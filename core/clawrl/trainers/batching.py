@@ -45,6 +45,9 @@ class MicroBatch:
     # [T] opd.hinted_sample: the hint's acceptance on the tokens of a teacher's reply under the hinted
     # prompt (their own sequences, after the samples'), 0 elsewhere; None when the batch has none
     hinted_weight: torch.Tensor | None = None
+    # [T] train.replay_coef: 1 on the tokens of the reference's own reply to a sample's prompt (their own
+    # sequences, after the hinted ones), 0 elsewhere; None when the batch has none
+    replay_mask: torch.Tensor | None = None
     num_samples: int = 0  # the first num_samples sequences are the samples' own, in order
 
     @property
@@ -64,6 +67,8 @@ def pack(samples: list[Sample], max_tokens: int) -> list[list[int]]:
         hinted = hinted_sequence(s)
         if hinted is not None:  # packed beside the sample (build_micro_batch)
             n += len(s.prompt_ids) + len(hinted[0])
+        if s.replay_ids:
+            n += len(s.prompt_ids) + len(s.replay_ids)
         if groups and used + n <= max_tokens:
             groups[-1].append(i)
             used += n
@@ -128,11 +133,13 @@ def hinted_sequence(s: Sample) -> tuple[list[int], float] | None:
 def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0) -> MicroBatch:
     """Packs ``samples`` in order; then, for each that carries a hinted reply (``hinted_sequence``),
     one more sequence of its prompt and that reply, whose tokens train only through the hinted NLL
-    term (``hinted_weight`` > 0, ``loss_mask`` 0). ``cu_seqlens``' first ``len(samples)`` sequences
+    term (``hinted_weight`` > 0, ``loss_mask`` 0); then, for each that carries the reference's reply
+    (``Sample.replay_ids``), one more of its prompt and that reply, trained only through the replay
+    NLL term (``replay_mask`` 1, ``loss_mask`` 0). ``cu_seqlens``' first ``len(samples)`` sequences
     are the samples'."""
     ids, pos, seg, rows, targets, temps, adv, mask, rollout, cu = [], [], [], [], [], [], [], [], [], [0]
     bounds = []
-    has_rl, has_opd, teacher, top_ids, top_lps, top_mask, hinted_w = [], [], [], [], [], [], []
+    has_rl, has_opd, teacher, top_ids, top_lps, top_mask, hinted_w, replay = [], [], [], [], [], [], [], []
 
     def add(prompt: list[int], response: list[int]) -> int:
         p, r = len(prompt), len(response)
@@ -160,23 +167,24 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         top_lps += k_lps if k_lps is not None else [[0.0] * topk] * r
         top_mask += [float(k_ids is not None)] * r
         hinted_w += [0.0] * r
+        replay += [0.0] * r
+
+    def add_nll_only(prompt: list[int], response: list[int], hinted_weight: float, replay_flag: float) -> None:
+        """A sequence whose tokens train only through an NLL term: no policy-gradient signal on them,
+        since they are not the student's own sample."""
+        r = add(prompt, response)
+        for values, fill in ((temps, 1.0), (adv, 0.0), (mask, 0.0), (rollout, 0.0), (has_rl, False),
+                             (has_opd, False), (teacher, math.nan), (top_ids, [0] * topk), (top_lps, [0.0] * topk),
+                             (top_mask, 0.0), (hinted_w, hinted_weight), (replay, replay_flag)):
+            values.extend([fill] * r)
+
     for s in samples:
         hinted = hinted_sequence(s)
-        if hinted is None:
-            continue
-        r = add(s.prompt_ids, hinted[0])
-        # no policy-gradient signal on these tokens: they are not the student's own sample
-        temps += [1.0] * r
-        adv += [0.0] * r
-        mask += [0.0] * r
-        rollout += [0.0] * r
-        has_rl += [False] * r
-        has_opd += [False] * r
-        teacher += [math.nan] * r
-        top_ids += [[0] * topk] * r
-        top_lps += [[0.0] * topk] * r
-        top_mask += [0.0] * r
-        hinted_w += [hinted[1]] * r
+        if hinted is not None:
+            add_nll_only(s.prompt_ids, hinted[0], hinted[1], 0.0)
+    for s in samples:
+        if s.replay_ids:
+            add_nll_only(s.prompt_ids, [int(x) for x in s.replay_ids], 0.0, 1.0)
 
     def t(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -188,16 +196,21 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         has_rl=t(has_rl, torch.bool), has_opd=t(has_opd, torch.bool), teacher_logprobs=t(teacher),
         topk_ids=t(top_ids, torch.long) if topk > 0 else None, topk_logprobs=t(top_lps) if topk > 0 else None,
         topk_mask=t(top_mask) if topk > 0 else None, bounds=tuple(bounds),
-        hinted_weight=t(hinted_w) if any(hinted_w) else None, num_samples=len(samples),
+        hinted_weight=t(hinted_w) if any(hinted_w) else None, replay_mask=t(replay) if any(replay) else None,
+        num_samples=len(samples),
     )
 
 
 def trained_mask(mb: MicroBatch) -> torch.Tensor:
-    """[T] 1 on every token the step trains: the policy loss's (``loss_mask``) and a hinted reply's
-    (``hinted_weight`` > 0); what the step's aggregation denominator counts."""
-    if mb.hinted_weight is None:
-        return mb.loss_mask
-    return mb.loss_mask + (mb.hinted_weight > 0).to(mb.loss_mask.dtype)
+    """[T] 1 on every token the step trains: the policy loss's (``loss_mask``), a hinted reply's
+    (``hinted_weight`` > 0) and a replayed reference reply's (``replay_mask``); what the step's
+    aggregation denominator counts."""
+    out = mb.loss_mask
+    if mb.hinted_weight is not None:
+        out = out + (mb.hinted_weight > 0).to(out.dtype)
+    if mb.replay_mask is not None:
+        out = out + mb.replay_mask.to(out.dtype)
+    return out
 
 
 def sample_metrics(samples: list[Sample], weight_version: int, batches: list[MicroBatch]) -> dict:

@@ -80,6 +80,7 @@ class Objective:
             raise TrainerError(f"opd.topk_kl must be one of {', '.join(TOPK_KL)}, not {opd_cfg.topk_kl!r}")
         self.topk_kl = opd_cfg.topk_kl
         self.hinted_coef = opd_cfg.hinted_coef  # opd.hinted_sample's NLL term (MicroBatch.hinted_weight)
+        self.replay_coef = train_cfg.replay_coef  # the reference replay's NLL term (MicroBatch.replay_mask)
 
     @property
     def needs_reference(self) -> bool:
@@ -114,6 +115,14 @@ class Objective:
             hinted_mask = (mb.hinted_weight > 0).to(nll.dtype)
             sums["hinted_nll_sum"] = float((nll * hinted_mask).sum())
             sums["hinted_tokens"] = float(hinted_mask.sum())
+        if mb.replay_mask is not None and self.replay_coef > 0:
+            # the frozen reference's own reply to the sample's prompt (train.replay_coef): pulls what the
+            # feedback does not judge back toward the start, on the reference's tokens rather than the
+            # policy's (the KL acts only on tokens the drifting policy sampled)
+            nll_loss, nll = weighted_nll(lp, mb.replay_mask, mb.cu_seqlens, mode, global_denominator=denominator)
+            loss = loss + self.replay_coef * nll_loss
+            sums["replay_nll_sum"] = float((nll * mb.replay_mask).sum())
+            sums["replay_tokens"] = float(mb.replay_mask.sum())
         weight = float(m["trained_tokens"])
         for k, v in m.items():
             if k == "pg_loss":
@@ -143,6 +152,7 @@ class StepStats:
         out: dict[str, float] = {}
         topk_kl, topk_tokens = sums.pop("topk_kl_sum", None), sums.pop("topk_tokens", 0.0)
         hinted_nll, hinted_tokens = sums.pop("hinted_nll_sum", None), sums.pop("hinted_tokens", 0.0)
+        replay_nll, replay_tokens = sums.pop("replay_nll_sum", None), sums.pop("replay_tokens", 0.0)
         for k, v in sums.items():
             out[k] = v if k == "pg_loss" else v / max(trained, 1.0)
         if topk_kl is not None:
@@ -150,6 +160,9 @@ class StepStats:
         if hinted_nll is not None:  # mean NLL of the hinted replies' tokens (opd.hinted_sample)
             out["hinted_nll"] = hinted_nll / max(hinted_tokens, 1.0)
             out["hinted_tokens"] = hinted_tokens
+        if replay_nll is not None:  # mean NLL of the reference's replayed replies (train.replay_coef)
+            out["replay_nll"] = replay_nll / max(replay_tokens, 1.0)
+            out["replay_tokens"] = replay_tokens
         if "rollout_logprob_abs_gap" in out:
             out["rollout_logprob_gap_mean"] = out.pop("rollout_logprob_abs_gap")
         out["loss"] = self.loss

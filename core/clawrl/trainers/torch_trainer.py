@@ -17,7 +17,9 @@ One ``train_step`` is one optimizer step on a list of samples:
 2. Before any update, the current weights recompute every response token's logprob: this is
    ``pi_old`` (PPO ratio 1 at the start). The engine's logprobs from the sample are the rollout
    reference for TIS/IcePop, and the gap between the two is logged. With ``kl_coef > 0`` the
-   reference policy's logprobs come from the base with LoRA disabled, or a frozen copy.
+   reference policy's logprobs come from the base with LoRA disabled, or a frozen copy. With
+   ``train.replay_coef > 0`` that reference first writes its own reply to each distinct prompt of
+   the step, trained as a sequence of its own with token NLL (``clawrl.trainers.replay``).
 3. The aggregation denominator is computed for the whole step first, then each micro-batch's loss
    is divided by it and back-propagated, so the accumulated gradient does not depend on how the
    samples were split (``clawrl.losses.aggregate``).
@@ -61,6 +63,7 @@ from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sampl
                                      trained_mask)
 from clawrl.trainers.master_weights import MasterWeights
 from clawrl.trainers.objective import FullLogits, Objective, StepStats
+from clawrl.trainers.replay import attach_replays
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +114,9 @@ class TorchTrainer(Trainer):
         self.ref_model = None
         if self.lora:
             model = self._wrap_lora(model, cfg)
-        elif train_cfg.kl_coef > 0:
-            # Full fine-tuning moves every weight, so the KL reference must be its own frozen copy.
+        elif train_cfg.kl_coef > 0 or train_cfg.replay_coef > 0:
+            # Full fine-tuning moves every weight, so the reference (the KL's, the replay's) must be its own
+            # frozen copy.
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if train_cfg.gradient_checkpointing:
             # transformers renamed it (5.2x); the GPU image's 5.17 has the old name only
@@ -136,6 +140,8 @@ class TorchTrainer(Trainer):
         self.method = load_method(cfg)
         self.objective = Objective(cfg, topk=self.method.topk)
         self.pi_old_from_loss_forward = not self.objective.needs_reference and not has_dropout(model)
+        # train.replay_coef: the reference's replies end as the engine's do; sampled ones are seeded per step
+        self.eos_ids, self.max_context, self.seed = frozenset(loaded.eos_token_ids), loaded.max_context, cfg.seed
         self.step = 0
         self.bad_steps = 0
         self.paused_reason = None
@@ -236,6 +242,23 @@ class TorchTrainer(Trainer):
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / mb.temperature[:, None]
         return logits
 
+    def _attach_replays(self, samples: list[Sample]) -> float:
+        """The frozen reference's own replies to the step's prompts (``clawrl.trainers.replay``) on the
+        samples; returns the seconds it took."""
+        started = time.perf_counter()
+        cfg = self.train_cfg
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + self.step)
+        self.model.eval()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            if self.lora:
+                with self.model.disable_adapter():
+                    attach_replays(self.model, samples, self.eos_ids, cfg.replay_max_tokens, self.max_context,
+                                   cfg.replay_temperature, generator)
+            else:
+                attach_replays(self.ref_model, samples, self.eos_ids, cfg.replay_max_tokens, self.max_context,
+                               cfg.replay_temperature, generator)
+        return time.perf_counter() - started
+
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.lora:
             with self.model.disable_adapter():
@@ -273,10 +296,13 @@ class TorchTrainer(Trainer):
             check_sample(s, self.vocab_size)
         started = time.perf_counter()
         train_cfg, mode = self.train_cfg, self.objective.loss_cfg.aggregation
+        replay_s = self._attach_replays(samples) if train_cfg.replay_coef > 0 else None
         batches = [build_micro_batch([samples[i] for i in g], self.device, self.objective.topk)
                    for g in pack(samples, train_cfg.micro_batch_tokens)]
         method_metrics = self.method.advantages(batches)
         metrics = {**sample_metrics(samples, weight_version, batches), **method_metrics}
+        if replay_s is not None:
+            metrics["replay_seconds"] = replay_s
         denominator = sum(aggregation_denominator(trained_mask(mb), mb.cu_seqlens, mode) for mb in batches)
         if denominator <= 0:
             return StepResult(False, metrics, "no_trainable_tokens")

@@ -1,0 +1,134 @@
+"""train.replay_coef, the reference replay (small random Qwen3, CPU): the frozen reference's own reply to
+each distinct prompt of a step is packed as a sequence of its own and trained with token NLL, under
+rl, opd and combine, with full fine-tuning and LoRA; the coefficient scales it and 0 turns it off; the
+megatron backend refuses it with a one-line reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clawrl.config import ConfigError, compose
+from clawrl.samples import Sample, TeacherSignal
+from clawrl.trainers.batching import build_micro_batch, pack, trained_mask
+from clawrl.trainers.replay import reference_reply
+from test_trainer import make_samples, model_dir, on_policy, trainer_for  # noqa: F401 (fixture)
+
+MAX = 5  # train.replay_max_tokens: a random model seldom says eos
+
+
+def probe(s: Sample, ids: list[int]) -> Sample:
+    """``ids`` as a sample of its own under ``s``'s prompt, to read their logprobs."""
+    return Sample(sample_id=99, turn_id=99, group_id="probe", prompt_ids=s.prompt_ids, response_ids=ids,
+                  rollout_logprobs=[0.0] * len(ids), weight_versions=[0] * len(ids), reward=0.0, advantage=0.0)
+
+
+def greedy(trainer, s: Sample) -> list[int]:
+    """The trainer's current policy's greedy reply to ``s``'s prompt, as the replay decodes it."""
+    model = trainer.model.eval()
+    return reference_reply(model, s.prompt_ids, trainer.eos_ids, MAX, 0.0, torch.Generator())
+
+
+def test_the_replay_is_its_own_sequence_after_the_samples_and_their_hinted_replies():
+    [a, b] = make_samples(50, n=2, advantage=1.0)
+    a.teacher = TeacherSignal(teacher_logprobs=[0.0] * len(a.response_ids), hinted_ids=[7, 8], hinted_weight=0.5)
+    a.replay_ids, b.replay_ids = [11, 12, 13], None
+    mb = build_micro_batch([a, b], torch.device("cpu"))
+    na, nb = len(a.response_ids), len(b.response_ids)
+    assert mb.num_samples == 2 and len(mb.bounds) == 4  # a, b, a's hinted reply, a's replay
+    assert mb.targets.tolist() == a.response_ids + b.response_ids + [7, 8] + [11, 12, 13]
+    start, end = mb.bounds[3]
+    assert mb.input_ids[0, start:end].tolist() == a.prompt_ids + [11, 12, 13]  # under the sample's own prompt
+    assert mb.replay_mask.tolist() == [0.0] * (na + nb + 2) + [1.0] * 3
+    assert mb.hinted_weight.tolist() == [0.0] * (na + nb) + [0.5] * 2 + [0.0] * 3
+    assert mb.loss_mask.tolist() == [1.0] * (na + nb) + [0.0] * 5  # no policy gradient on either
+    assert not bool(mb.has_rl[na + nb:].any()) and not bool(mb.has_opd[na + nb:].any())
+    assert trained_mask(mb).tolist() == [1.0] * (na + nb + 5)  # both count in the step's denominator
+    # pack budgets the replay's tokens beside its sample
+    size = len(a.prompt_ids) * 3 + na + 2 + 3
+    assert pack([a], size) == [[0]] and pack([a, b], size) == [[0], [1]]
+    assert build_micro_batch([b], torch.device("cpu")).replay_mask is None
+
+
+def opd_ready(s: Sample) -> Sample:
+    """A sample as OPD trains it, with a teacher that agrees with the student (A_opd = 0)."""
+    s.rl_signal = False
+    s.teacher = TeacherSignal(teacher_logprobs=list(s.rollout_logprobs), hint="be brief")
+    return s
+
+
+@pytest.mark.parametrize("method", ["rl", "opd", "combine"])
+def test_a_step_raises_the_frozen_references_own_reply(model_dir, method):
+    trainer = trainer_for(model_dir, f"method={method}", "train.replay_coef=1", f"train.replay_max_tokens={MAX}",
+                          "train.lr=3e-3")
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, n=2, advantage=0.0))
+    if method != "rl":
+        samples = [opd_ready(s) for s in samples]
+    expected = [greedy(trainer, s) for s in samples]  # the reference is the policy as it starts
+    before = [sum(trainer.logprobs([probe(s, e)])[0]) for s, e in zip(samples, expected)]
+    result = trainer.train_step(samples, weight_version=0)
+    assert result.ok, result.skipped_reason
+    assert [s.replay_ids for s in samples] == expected  # token ids as decoded: greedy, at most MAX
+    m = result.metrics
+    assert m["replay_tokens"] == sum(len(e) for e in expected) and m["replay_seconds"] > 0
+    assert m["replay_nll"] == pytest.approx(-sum(before) / m["replay_tokens"], rel=1e-3)
+    after = [sum(trainer.logprobs([probe(s, e)])[0]) for s, e in zip(samples, expected)]
+    assert all(x > y + 0.3 for x, y in zip(after, before)), (before, after)
+    # a second step replays the *reference's* reply, not the moved policy's
+    trainer.train_step(samples, weight_version=1)
+    assert [s.replay_ids for s in samples] == expected
+
+
+def test_replay_coef_scales_the_update_and_zero_turns_it_off(model_dir):
+    # beside a policy-gradient signal on the sample's own reply (A = -1), so that AdamW's step (about the same
+    # size whatever the scale of a lone gradient) shows how much of the gradient the replay's NLL is
+    moved = {}
+    for coef in (0.0, 0.5, 4.0):
+        trainer = trainer_for(model_dir, f"train.replay_coef={coef}", f"train.replay_max_tokens={MAX}",
+                              "train.lr=1e-3", dtype=torch.float64)
+        [s] = on_policy(trainer, make_samples(trainer.vocab_size, n=1, advantage=-1.0, seed=3))
+        reply = greedy(trainer, s)
+        before = sum(trainer.logprobs([probe(s, reply)])[0])
+        result = trainer.train_step([s], weight_version=0)
+        assert result.ok
+        moved[coef] = (sum(trainer.logprobs([probe(s, reply)])[0]) - before, result.metrics.get("replay_tokens"),
+                       s.replay_ids)
+    assert moved[0.0][1:] == (None, None)  # off: no reply decoded, no replay term
+    assert moved[0.5][2] == moved[4.0][2] == reply and moved[0.5][1] == moved[4.0][1] == len(reply)
+    assert moved[4.0][0] > moved[0.5][0] + 0.05 and moved[0.5][0] > moved[0.0][0], moved
+
+
+def test_a_repeated_prompt_is_replayed_once_and_sampled_replies_repeat_with_the_seed(model_dir):
+    trainer = trainer_for(model_dir, "train.replay_coef=1", f"train.replay_max_tokens={MAX}",
+                          "train.replay_temperature=1", "train.lr=1e-3")
+    a, b = make_samples(trainer.vocab_size, n=2, seed=5)
+    b.prompt_ids = list(a.prompt_ids)  # a GRPO group of two
+    on_policy(trainer, [a, b])
+    result = trainer.train_step([a, b], weight_version=0)
+    assert result.ok and a.replay_ids and b.replay_ids is None
+    assert result.metrics["replay_tokens"] == len(a.replay_ids)
+    again = trainer_for(model_dir, "train.replay_coef=1", f"train.replay_max_tokens={MAX}",
+                        "train.replay_temperature=1", "train.lr=1e-3")
+    c, d = make_samples(again.vocab_size, n=2, seed=5)
+    d.prompt_ids = list(c.prompt_ids)
+    again.train_step(on_policy(again, [c, d]), weight_version=0)
+    assert c.replay_ids == a.replay_ids  # seeded by the run's seed and the step
+
+
+def test_with_lora_the_reference_is_the_base_without_the_adapter(model_dir):
+    trainer = trainer_for(model_dir, "train.lora.enabled=true", "train.lora.r=4", "train.lr=5e-2",
+                          "train.replay_coef=1", f"train.replay_max_tokens={MAX}")
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, n=2, advantage=1.0, seed=7))
+    with trainer.model.disable_adapter():
+        expected = [greedy(trainer, s) for s in samples]
+    for version in range(3):  # the adapter moves; the replayed replies stay the base's
+        result = trainer.train_step(on_policy(trainer, samples), weight_version=version)
+        assert result.ok and [s.replay_ids for s in samples] == expected
+
+
+def test_config_refuses_a_negative_coefficient_and_megatron():
+    with pytest.raises(ConfigError, match=r"train.replay_coef=-1.0: must be >= 0"):
+        compose(["train.replay_coef=-1"])
+    with pytest.raises(ConfigError, match=r"train.replay_coef=0.5 with trainer.backend=megatron: the reference "
+                                          r"replay runs in the torch trainer only"):
+        compose(["train.replay_coef=0.5", "trainer.backend=megatron"])
+    assert compose(["trainer.backend=megatron"]).train.replay_coef == 0
