@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clawrl.config import ConfigError, compose
-from clawrl.samples import Sample, TeacherSignal
+from clawrl.samples import ReferenceReply, Sample, TeacherSignal
 from clawrl.trainers.batching import build_micro_batch, pack, trained_mask
 from clawrl.trainers.replay import reference_reply
 from test_trainer import make_samples, model_dir, on_policy, trainer_for  # noqa: F401 (fixture)
@@ -25,13 +25,13 @@ def probe(s: Sample, ids: list[int]) -> Sample:
 def greedy(trainer, s: Sample) -> list[int]:
     """The trainer's current policy's greedy reply to ``s``'s prompt, as the replay decodes it."""
     model = trainer.model.eval()
-    return reference_reply(model, s.prompt_ids, trainer.eos_ids, MAX, 0.0, torch.Generator())
+    return reference_reply(model, s.prompt_ids, trainer.eos_ids, MAX, 0.0, torch.Generator()).ids
 
 
 def test_the_replay_is_its_own_sequence_after_the_samples_and_their_hinted_replies():
     [a, b] = make_samples(50, n=2, advantage=1.0)
     a.teacher = TeacherSignal(teacher_logprobs=[0.0] * len(a.response_ids), hinted_ids=[7, 8], hinted_weight=0.5)
-    a.replay_ids, b.replay_ids = [11, 12, 13], None
+    a.replay, b.replay = ReferenceReply([11, 12, 13]), None
     mb = build_micro_batch([a, b], torch.device("cpu"))
     na, nb = len(a.response_ids), len(b.response_ids)
     assert mb.num_samples == 2 and len(mb.bounds) == 4  # a, b, a's hinted reply, a's replay
@@ -67,7 +67,7 @@ def test_a_step_raises_the_frozen_references_own_reply(model_dir, method):
     before = [sum(trainer.logprobs([probe(s, e)])[0]) for s, e in zip(samples, expected)]
     result = trainer.train_step(samples, weight_version=0)
     assert result.ok, result.skipped_reason
-    assert [s.replay_ids for s in samples] == expected  # token ids as decoded: greedy, at most MAX
+    assert [s.replay.ids for s in samples] == expected  # token ids as decoded: greedy, at most MAX
     m = result.metrics
     assert m["replay_tokens"] == sum(len(e) for e in expected) and m["replay_seconds"] > 0
     assert m["replay_nll"] == pytest.approx(-sum(before) / m["replay_tokens"], rel=1e-3)
@@ -75,7 +75,7 @@ def test_a_step_raises_the_frozen_references_own_reply(model_dir, method):
     assert all(x > y + 0.3 for x, y in zip(after, before)), (before, after)
     # a second step replays the *reference's* reply, not the moved policy's
     trainer.train_step(samples, weight_version=1)
-    assert [s.replay_ids for s in samples] == expected
+    assert [s.replay.ids for s in samples] == expected
 
 
 def test_replay_coef_scales_the_update_and_zero_turns_it_off(model_dir):
@@ -91,7 +91,7 @@ def test_replay_coef_scales_the_update_and_zero_turns_it_off(model_dir):
         result = trainer.train_step([s], weight_version=0)
         assert result.ok
         moved[coef] = (sum(trainer.logprobs([probe(s, reply)])[0]) - before, result.metrics.get("replay_tokens"),
-                       s.replay_ids)
+                       s.replay and s.replay.ids)
     assert moved[0.0][1:] == (None, None)  # off: no reply decoded, no replay term
     assert moved[0.5][2] == moved[4.0][2] == reply and moved[0.5][1] == moved[4.0][1] == len(reply)
     assert moved[4.0][0] > moved[0.5][0] + 0.05 and moved[0.5][0] > moved[0.0][0], moved
@@ -104,14 +104,14 @@ def test_a_repeated_prompt_is_replayed_once_and_sampled_replies_repeat_with_the_
     b.prompt_ids = list(a.prompt_ids)  # a GRPO group of two
     on_policy(trainer, [a, b])
     result = trainer.train_step([a, b], weight_version=0)
-    assert result.ok and a.replay_ids and b.replay_ids is None
-    assert result.metrics["replay_tokens"] == len(a.replay_ids)
+    assert result.ok and a.replay.ids and b.replay is None
+    assert result.metrics["replay_tokens"] == len(a.replay.ids)
     again = trainer_for(model_dir, "train.replay_coef=1", f"train.replay_max_tokens={MAX}",
                         "train.replay_temperature=1", "train.lr=1e-3")
     c, d = make_samples(again.vocab_size, n=2, seed=5)
     d.prompt_ids = list(c.prompt_ids)
     again.train_step(on_policy(again, [c, d]), weight_version=0)
-    assert c.replay_ids == a.replay_ids  # seeded by the run's seed and the step
+    assert c.replay.ids == a.replay.ids  # seeded by the run's seed and the step
 
 
 def test_with_lora_the_reference_is_the_base_without_the_adapter(model_dir):
@@ -122,7 +122,43 @@ def test_with_lora_the_reference_is_the_base_without_the_adapter(model_dir):
         expected = [greedy(trainer, s) for s in samples]
     for version in range(3):  # the adapter moves; the replayed replies stay the base's
         result = trainer.train_step(on_policy(trainer, samples), weight_version=version)
-        assert result.ok and [s.replay_ids for s in samples] == expected
+        assert result.ok and [s.replay.ids for s in samples] == expected
+
+
+def test_replay_topk_packs_the_references_distribution_on_the_replays_rows_only():
+    [a, b] = make_samples(50, n=2)
+    a.replay = ReferenceReply([11, 12], topk_ids=[[11, 4], [12, 5]], topk_logprobs=[[-0.1, -3.0], [-0.2, -2.0]])
+    mb = build_micro_batch([a, b], torch.device("cpu"))
+    n = len(a.response_ids) + len(b.response_ids)
+    assert mb.replay_topk_ids.tolist() == [[0, 0]] * n + [[11, 4], [12, 5]]
+    assert mb.replay_topk_logprobs[n:].flatten().tolist() == pytest.approx([-0.1, -3.0, -0.2, -2.0])
+    b.replay = ReferenceReply([7], topk_ids=[[7, 8, 9]], topk_logprobs=[[-1.0, -2.0, -3.0]])
+    with pytest.raises(ValueError, match="top-k is not 1 rows of 2"):
+        build_micro_batch([a, b], torch.device("cpu"))
+
+
+def test_the_top_k_replay_has_no_gradient_at_the_reference_and_pulls_back_what_moved(model_dir):
+    trainer = trainer_for(model_dir, "train.replay_coef=1", "train.replay_topk=8", f"train.replay_max_tokens={MAX}",
+                          "train.lr=3e-3", "train.replay_temperature=1", dtype=torch.float64)
+    [s] = on_policy(trainer, make_samples(trainer.vocab_size, n=1, advantage=0.0, seed=2))
+    first = trainer.train_step([s], weight_version=0)  # A = 0: the replay alone, and the policy is the reference
+    assert first.ok and first.metrics["replay_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert first.metrics["grad_norm"] < 1e-6
+    assert len(s.replay.topk_ids) == len(s.replay.ids) and all(len(row) == 8 for row in s.replay.topk_ids)
+    # move the policy away with a policy-gradient signal alone, then replay: the KL has grown, and falls again
+    off = trainer_for(model_dir, "train.lr=3e-3", dtype=torch.float64)
+    trainer.model.load_state_dict(off.model.state_dict())
+    [s] = on_policy(trainer, make_samples(trainer.vocab_size, n=1, advantage=1.0, seed=2))
+    trainer.objective.replay_coef = 0.0  # this step: the policy gradient only (the replay still decodes)
+    assert trainer.train_step([s], weight_version=1).ok
+    trainer.objective.replay_coef = 1.0
+    kls = []
+    for version in (2, 3, 4):
+        s.advantage = 0.0
+        result = trainer.train_step(on_policy(trainer, [s]), weight_version=version)
+        assert result.ok
+        kls.append(result.metrics["replay_kl"])
+    assert kls[0] > 1e-4 and kls[-1] < kls[0], kls
 
 
 def test_config_refuses_a_negative_coefficient_and_megatron():

@@ -223,6 +223,10 @@ class TrainConfig:
     replay_temperature: float = option(0.0, "Sampling temperature of the reference's replayed reply "
                                        "(train.replay_coef); 0: greedy.", ge=0)
     replay_max_tokens: int = option(256, "Most tokens of the reference's replayed reply (train.replay_coef).", ge=1)
+    replay_topk: int = option(0, "The reference replay's term: 0: token NLL of the replayed reply's ids; K > 0: "
+                              "forward KL from the reference's top-K distribution (K bins plus the tail) at each "
+                              "of its positions, which has no gradient while the policy equals the reference "
+                              "(greedy NLL sharpens it).", ge=0)
     entropy_coef: float = option(0.0, "Weight of the entropy bonus; 0: off (negative: an entropy penalty).")
     tis_cap: Optional[float] = option(2.0, "Rollout/trainer mismatch: truncated importance sampling cap on "
                                       "pi_old/pi_rollout; null: off.", gt=0)

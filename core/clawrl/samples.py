@@ -30,6 +30,17 @@ class TeacherSignal:
     hinted_weight: float = 0.0
 
 
+@dataclass(frozen=True)
+class ReferenceReply:
+    """The frozen reference's own reply to a sample's prompt (``train.replay_coef``): the token ids as it
+    decoded them and, with ``train.replay_topk`` K > 0, its top-K ids and logprobs (temperature 1) at
+    each of their positions, what the replay term trains toward."""
+
+    ids: list[int]
+    topk_ids: list[list[int]] | None = None  # [T][K]
+    topk_logprobs: list[list[float]] | None = None  # [T][K]
+
+
 # Where a sample comes from: a served chat turn, a whole episode (env.sample_mode=trajectory) or one
 # model turn of an episode (per_turn); ``Sample.source_id`` is the turn's, episode's or step's id.
 TURN, EPISODE, STEP = "turn", "episode", "step"
@@ -57,9 +68,9 @@ class Sample:
     extra: dict = field(default_factory=dict)
     source: str = TURN
     source_id: int = 0  # the id of the source row; 0 for a sample that was never stored
-    # train.replay_coef: the frozen reference's own reply to ``prompt_ids`` (token ids as generated), which
-    # the torch trainer writes just before the step and trains on with token NLL; None: no replay
-    replay_ids: list[int] | None = None
+    # train.replay_coef: the frozen reference's own reply to ``prompt_ids``, which the torch trainer writes
+    # just before the step and trains on (clawrl.trainers.replay); None: no replay
+    replay: ReferenceReply | None = None
 
     @property
     def origin(self) -> str:

@@ -48,6 +48,8 @@ class MicroBatch:
     # [T] train.replay_coef: 1 on the tokens of the reference's own reply to a sample's prompt (their own
     # sequences, after the hinted ones), 0 elsewhere; None when the batch has none
     replay_mask: torch.Tensor | None = None
+    replay_topk_ids: torch.Tensor | None = None  # [T, K] the reference's top-k on the replay's tokens (train.replay_topk)
+    replay_topk_logprobs: torch.Tensor | None = None  # [T, K]
     num_samples: int = 0  # the first num_samples sequences are the samples' own, in order
 
     @property
@@ -67,8 +69,8 @@ def pack(samples: list[Sample], max_tokens: int) -> list[list[int]]:
         hinted = hinted_sequence(s)
         if hinted is not None:  # packed beside the sample (build_micro_batch)
             n += len(s.prompt_ids) + len(hinted[0])
-        if s.replay_ids:
-            n += len(s.prompt_ids) + len(s.replay_ids)
+        if s.replay is not None:
+            n += len(s.prompt_ids) + len(s.replay.ids)
         if groups and used + n <= max_tokens:
             groups[-1].append(i)
             used += n
@@ -134,9 +136,9 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
     """Packs ``samples`` in order; then, for each that carries a hinted reply (``hinted_sequence``),
     one more sequence of its prompt and that reply, whose tokens train only through the hinted NLL
     term (``hinted_weight`` > 0, ``loss_mask`` 0); then, for each that carries the reference's reply
-    (``Sample.replay_ids``), one more of its prompt and that reply, trained only through the replay
-    NLL term (``replay_mask`` 1, ``loss_mask`` 0). ``cu_seqlens``' first ``len(samples)`` sequences
-    are the samples'."""
+    (``Sample.replay``), one more of its prompt and that reply, trained only through the replay term
+    (``replay_mask`` 1, ``loss_mask`` 0; with the reference's top-k, ``replay_topk_*``).
+    ``cu_seqlens``' first ``len(samples)`` sequences are the samples'."""
     ids, pos, seg, rows, targets, temps, adv, mask, rollout, cu = [], [], [], [], [], [], [], [], [], [0]
     bounds = []
     has_rl, has_opd, teacher, top_ids, top_lps, top_mask, hinted_w, replay = [], [], [], [], [], [], [], []
@@ -182,9 +184,18 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         hinted = hinted_sequence(s)
         if hinted is not None:
             add_nll_only(s.prompt_ids, hinted[0], hinted[1], 0.0)
-    for s in samples:
-        if s.replay_ids:
-            add_nll_only(s.prompt_ids, [int(x) for x in s.replay_ids], 0.0, 1.0)
+    replays = [s for s in samples if s.replay is not None]
+    replay_k = next((len(s.replay.topk_ids[0]) for s in replays if s.replay.topk_ids), 0)
+    replay_ids, replay_lps = [[0] * replay_k] * len(targets), [[0.0] * replay_k] * len(targets)
+    for s in replays:
+        add_nll_only(s.prompt_ids, [int(x) for x in s.replay.ids], 0.0, 1.0)
+        if replay_k:
+            if s.replay.topk_ids is None or len(s.replay.topk_ids) != len(s.replay.ids) or any(
+                    len(row) != replay_k for row in s.replay.topk_ids):
+                raise ValueError(f"sample {s.sample_id}: the reference reply's top-k is not {len(s.replay.ids)} rows "
+                                 f"of {replay_k}, like the step's other replays")
+            replay_ids += [[int(i) for i in row] for row in s.replay.topk_ids]
+            replay_lps += [[float(x) for x in row] for row in s.replay.topk_logprobs]
 
     def t(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -197,6 +208,8 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         topk_ids=t(top_ids, torch.long) if topk > 0 else None, topk_logprobs=t(top_lps) if topk > 0 else None,
         topk_mask=t(top_mask) if topk > 0 else None, bounds=tuple(bounds),
         hinted_weight=t(hinted_w) if any(hinted_w) else None, replay_mask=t(replay) if any(replay) else None,
+        replay_topk_ids=t(replay_ids, torch.long) if replay_k else None,
+        replay_topk_logprobs=t(replay_lps) if replay_k else None,
         num_samples=len(samples),
     )
 

@@ -118,9 +118,21 @@ class Objective:
         if mb.replay_mask is not None and self.replay_coef > 0:
             # the frozen reference's own reply to the sample's prompt (train.replay_coef): pulls what the
             # feedback does not judge back toward the start, on the reference's tokens rather than the
-            # policy's (the KL acts only on tokens the drifting policy sampled)
+            # policy's (the KL above acts only on tokens the drifting policy sampled); with the reference's
+            # top-k (train.replay_topk) the forward KL to its distribution there, else the NLL of its ids
             nll_loss, nll = weighted_nll(lp, mb.replay_mask, mb.cu_seqlens, mode, global_denominator=denominator)
-            loss = loss + self.replay_coef * nll_loss
+            if mb.replay_topk_ids is not None:
+                # on the replay's rows only: the other rows carry no distribution (their placeholder would
+                # give NaN, and NaN times a zero mask is NaN)
+                rows = mb.replay_mask.nonzero().squeeze(-1)
+                student = ops.topk_logprobs_t1(mb.replay_topk_ids)[rows]
+                kl = torch.zeros_like(lp, dtype=student.dtype).index_put(
+                    (rows,), topk_forward_kl(student, mb.replay_topk_logprobs[rows]))
+                loss = loss + self.replay_coef * aggregate(kl, mb.replay_mask, mb.cu_seqlens, mode,
+                                                           global_denominator=denominator)
+                sums["replay_kl_sum"] = float((kl.detach() * mb.replay_mask).sum())
+            else:
+                loss = loss + self.replay_coef * nll_loss
             sums["replay_nll_sum"] = float((nll * mb.replay_mask).sum())
             sums["replay_tokens"] = float(mb.replay_mask.sum())
         weight = float(m["trained_tokens"])
@@ -153,6 +165,7 @@ class StepStats:
         topk_kl, topk_tokens = sums.pop("topk_kl_sum", None), sums.pop("topk_tokens", 0.0)
         hinted_nll, hinted_tokens = sums.pop("hinted_nll_sum", None), sums.pop("hinted_tokens", 0.0)
         replay_nll, replay_tokens = sums.pop("replay_nll_sum", None), sums.pop("replay_tokens", 0.0)
+        replay_kl = sums.pop("replay_kl_sum", None)
         for k, v in sums.items():
             out[k] = v if k == "pg_loss" else v / max(trained, 1.0)
         if topk_kl is not None:
@@ -163,6 +176,8 @@ class StepStats:
         if replay_nll is not None:  # mean NLL of the reference's replayed replies (train.replay_coef)
             out["replay_nll"] = replay_nll / max(replay_tokens, 1.0)
             out["replay_tokens"] = replay_tokens
+        if replay_kl is not None:  # mean forward KL from the reference's top-k there (train.replay_topk)
+            out["replay_kl"] = replay_kl / max(replay_tokens, 1.0)
         if "rollout_logprob_abs_gap" in out:
             out["rollout_logprob_gap_mean"] = out.pop("rollout_logprob_abs_gap")
         out["loss"] = self.loss

@@ -253,10 +253,10 @@ class TorchTrainer(Trainer):
             if self.lora:
                 with self.model.disable_adapter():
                     attach_replays(self.model, samples, self.eos_ids, cfg.replay_max_tokens, self.max_context,
-                                   cfg.replay_temperature, generator)
+                                   cfg.replay_temperature, generator, cfg.replay_topk)
             else:
                 attach_replays(self.ref_model, samples, self.eos_ids, cfg.replay_max_tokens, self.max_context,
-                               cfg.replay_temperature, generator)
+                               cfg.replay_temperature, generator, cfg.replay_topk)
         return time.perf_counter() - started
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
