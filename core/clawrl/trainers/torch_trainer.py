@@ -246,17 +246,17 @@ class TorchTrainer(Trainer):
         """The frozen reference's own replies to the step's prompts (``clawrl.trainers.replay``) on the
         samples; returns the seconds it took."""
         started = time.perf_counter()
-        cfg = self.train_cfg
+        train_cfg = self.train_cfg
         generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + self.step)
         self.model.eval()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             if self.lora:
                 with self.model.disable_adapter():
-                    attach_replays(self.model, samples, self.eos_ids, cfg.replay_max_tokens, self.max_context,
-                                   cfg.replay_temperature, generator, cfg.replay_topk)
+                    attach_replays(self.model, samples, self.eos_ids, train_cfg.replay_max_tokens, self.max_context,
+                                   train_cfg.replay_temperature, generator, train_cfg.replay_topk)
             else:
-                attach_replays(self.ref_model, samples, self.eos_ids, cfg.replay_max_tokens, self.max_context,
-                               cfg.replay_temperature, generator, cfg.replay_topk)
+                attach_replays(self.ref_model, samples, self.eos_ids, train_cfg.replay_max_tokens, self.max_context,
+                               train_cfg.replay_temperature, generator, train_cfg.replay_topk)
         return time.perf_counter() - started
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
