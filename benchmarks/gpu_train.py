@@ -126,7 +126,7 @@ def clawrl_steps(model_dir: str, device: str, batch: list, steps: int, overrides
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
             "param_dtype": str(trainer.param_dtype).removeprefix("torch."), "packed_attention": trainer.packed,
             "pi_old_from_loss_forward": trainer.pi_old_from_loss_forward, "micro_batches": last["micro_batches"],
-            "compiled_modules": trainer.compiled}
+            "compiled_modules": trainer.compiled, "linear_kernels": trainer.linear_kernels}
     del trainer
     if device == "cuda":
         torch.cuda.empty_cache()

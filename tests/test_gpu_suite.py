@@ -123,6 +123,7 @@ def test_gpu_suite_hybrid_part_runs_tiny_on_cpu(tmp_path, capsys):
             assert h[name][f"streams_{n}"]["tok_s"] > 0 and h[name][f"streams_{n}"]["hf_tok_s"] > 0
         assert h[name]["prefill_ms"] > 0 and h[name]["train"]["tok_s"] > 0
     assert h["hybrid"]["train"]["micro_batches"] == 1 and not h["hybrid"]["train"]["packed_attention"]
+    assert h["hybrid"]["train"]["linear_kernels"] == "torch" and h["attention"]["train"]["linear_kernels"] is None
     assert h["decode_ratio_streams_4"] == pytest.approx(h["hybrid"]["streams_4"]["tok_s"] / h["attention"]["streams_4"]["tok_s"],
                                                         rel=1e-2)
     assert "| hybrid (torch kernels) vs attention-only" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 without fla, ``pip install 'clawrl[fla]'``): fla's Triton kernels agree with the pure-torch delta
 rule (chunked, variable-length with per-sequence states, recurrent), the engine's ragged forward
 on fla matches its torch path and HF's forward, a fla engine's batched greedy equals its solo
-greedy, and the trainer takes a step on the GPU."""
+greedy, and the trainer takes a step on the GPU (on fla, or on torch where fla refuses its backward)."""
 from __future__ import annotations
 
 import asyncio
@@ -112,12 +112,20 @@ def test_a_fla_engine_greedy_is_the_same_batched_or_alone(dirs):
 
 
 def test_the_trainer_steps_a_hybrid_model_on_the_gpu(dirs):
+    """On fla where fla trains on this GPU; on HF's torch delta rule where fla refuses its gated
+    chunk backward (Hopper with Triton 3.4-3.7.0, fla issue #640: the H100/H200 images' case),
+    where asking for fla is refused up front instead of crashing in the first backward."""
     from clawrl.config import compose
     from clawrl.samples import Sample
+    from clawrl.trainers.linear_attention import fla_backward_refusal
     from clawrl.trainers.torch_trainer import TorchTrainer
 
-    trainer = TorchTrainer(compose(["model.device=cuda", "train.lr=1e-3", "model.linear_attention=fla"]),
-                           str(dirs["qwen3_5"]))
+    refusal = fla_backward_refusal()
+    if refusal is not None:
+        with pytest.raises(delta_rule.DeltaRuleUnavailable, match="cannot train here"):
+            TorchTrainer(compose(["model.device=cuda", "model.linear_attention=fla"]), str(dirs["qwen3_5"]))
+    trainer = TorchTrainer(compose(["model.device=cuda", "train.lr=1e-3"]), str(dirs["qwen3_5"]))
+    assert trainer.linear_kernels == ("fla" if refusal is None else "torch")
     g_ = torch.Generator().manual_seed(3)
     samples = []
     for i, (p, r) in enumerate(((20, 80), (9, 140))):

@@ -4,6 +4,10 @@ sequence into the next), and every loss -- rl (GRPO), opd, top-k distillation, c
 train them."""
 from __future__ import annotations
 
+import inspect
+import sys
+import types
+
 import pytest
 import torch
 
@@ -101,6 +105,53 @@ def test_combine_with_lora_trains_adapters_and_exports_the_merged_model(dirs, ar
 def test_fla_kernels_asked_for_on_cpu_are_refused(dirs):
     with pytest.raises(DeltaRuleUnavailable, match="CUDA"):
         trainer_for(dirs["qwen3_next"], "model.linear_attention=fla")
+
+
+def test_the_trainer_runs_the_layers_on_the_undecorated_torch_delta_rule_and_puts_them_back(dirs):
+    """On a CPU the trainer takes the torch kernels; ``torch_kernels`` swaps HF's fla-or-torch
+    wrappers for the torch functions they wrap only while its block runs."""
+    from clawrl.trainers.linear_attention import KERNEL_FUNCTIONS, torch_kernels
+
+    trainer = trainer_for(dirs["qwen3_5"])
+    assert trainer.linear_kernels == "torch"
+    model = trainer.model
+    (module,) = {sys.modules[type(m).__module__] for m in model.modules() if hasattr(m, "A_log")}
+    wrapped = {name: getattr(module, name) for name in KERNEL_FUNCTIONS}
+    ids = torch.tensor([make_samples(trainer.vocab_size, seed=8)[0].prompt_ids])
+    with torch.no_grad():
+        outside = model(input_ids=ids).logits
+        with torch_kernels(model):
+            for name, fn in wrapped.items():
+                assert getattr(module, name) is inspect.unwrap(fn) and inspect.unwrap(fn) is not fn
+            inside = model(input_ids=ids).logits
+    assert all(getattr(module, name) is fn for name, fn in wrapped.items())
+    torch.testing.assert_close(inside, outside)
+
+
+def test_auto_trains_on_torch_where_fla_refuses_its_backward(monkeypatch, caplog):
+    """fla 0.6 raises in its gated chunk backward with Triton 3.4-3.7.0 on Hopper (its issue #640),
+    the H200 image's case: ``auto`` trains on torch and says why, ``fla`` is refused up front."""
+    from clawrl.trainers import linear_attention
+
+    triton = types.SimpleNamespace(__version__="3.6.0")
+    flags = types.SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=False)
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.utils", flags)
+    monkeypatch.setattr(linear_attention, "resolve", lambda choice, device: types.SimpleNamespace(name="fla"))
+    cuda = torch.device("cuda")
+    assert "Triton 3.6.0" in linear_attention.fla_backward_refusal()
+    with caplog.at_level("WARNING", logger=linear_attention.__name__):
+        assert linear_attention.training_kernels("auto", cuda) == "torch"
+    assert "#640" in caplog.text
+    with pytest.raises(DeltaRuleUnavailable, match="cannot train here.*Triton 3.6.0"):
+        linear_attention.training_kernels("fla", cuda)
+    assert linear_attention.training_kernels("torch", cuda) == "torch"
+    flags.TRITON_ABOVE_3_7_1 = True  # a fixed Triton: fla trains
+    assert linear_attention.fla_backward_refusal() is None
+    assert linear_attention.training_kernels("auto", cuda) == linear_attention.training_kernels("fla", cuda) == "fla"
+    flags.TRITON_ABOVE_3_7_1, flags.IS_NVIDIA_HOPPER = False, False  # not Hopper
+    assert linear_attention.training_kernels("auto", cuda) == "fla"
 
 
 def test_lora_can_adapt_the_linear_attention_projections(dirs):

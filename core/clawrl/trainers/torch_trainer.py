@@ -40,6 +40,7 @@ only at learning rates that also broke the rest of the reply: BENCHMARKS.md, "Me
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -50,7 +51,6 @@ import time
 import torch
 
 from clawrl.config import ClawrlConfig
-from clawrl.engines.delta_rule import DeltaRuleUnavailable, resolve as resolve_delta_rule
 from clawrl.engines.hybrid import is_hybrid
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
 from clawrl.losses import aggregation_denominator, token_entropy, token_logprobs
@@ -58,7 +58,7 @@ from clawrl.losses.logits import DEFAULT_CHUNK, token_logprobs_and_entropy
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
-from clawrl.trainers import compiled_layers, packed_attention
+from clawrl.trainers import compiled_layers, linear_attention, packed_attention
 from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
                                      trained_mask)
 from clawrl.trainers.master_weights import MasterWeights
@@ -106,8 +106,8 @@ class TorchTrainer(Trainer):
         # from one packed sequence into the next), so ``_hybrid_logits`` right-pads the micro-batch's
         # sequences into rows instead of packing them into one.
         self.hybrid = is_hybrid(model)
-        if self.hybrid:
-            self._check_linear_attention(cfg.model.linear_attention)
+        self.linear_kernels = linear_attention.training_kernels(cfg.model.linear_attention, self.device) \
+            if self.hybrid else None
         self.packed = False if self.hybrid else packed_attention.enable(model)  # before the reference copy
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.lora = train_cfg.lora.enabled
@@ -174,18 +174,6 @@ class TorchTrainer(Trainer):
                 raise TrainerError(f"train.lora.target_modules={list(lora_cfg.target_modules)}: "
                                    f"{str(e).splitlines()[0]}") from None
 
-    def _check_linear_attention(self, choice: str) -> None:
-        """``model.linear_attention`` for training: the model's own (HF) Gated DeltaNet layers run
-        flash-linear-attention when it imports and their pure-torch path otherwise, so ``fla``
-        without it is refused here rather than silently trained on the slow path, and ``torch`` on
-        a GPU with fla installed is refused too (HF would pick fla anyway)."""
-        if choice == "fla":
-            resolve_delta_rule("fla", self.device)
-        elif choice == "torch" and self.device.type == "cuda" and resolve_delta_rule(
-                "auto", self.device).name == "fla":
-            raise DeltaRuleUnavailable("model.linear_attention=torch: the trainer runs HF's linear-attention "
-                                       "layers, which use flash-linear-attention whenever it is installed")
-
     # ---------------------------------------------------------------- forward
 
     def _hybrid_logits(self, model, mb: MicroBatch) -> torch.Tensor:
@@ -206,7 +194,8 @@ class TorchTrainer(Trainer):
         row_seq = torch.searchsorted(starts, mb.logit_rows, right=True) - 1
         row_pos = mb.logit_rows - starts[row_seq]
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+        kernels = linear_attention.torch_kernels(base) if self.linear_kernels == "torch" else contextlib.nullcontext()
+        with kernels, torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             hidden = base.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).last_hidden_state
             logits = base.lm_head(hidden[row_seq, row_pos])
         if bool((mb.temperature != 1.0).any()):
