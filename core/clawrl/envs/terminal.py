@@ -94,6 +94,14 @@ def _call_command(call) -> Optional[str]:
     return command if isinstance(command, str) else None
 
 
+def malformed(work: str) -> StepOutcome:
+    """The step of a reply with neither a bash block nor DONE: the agent is told how to reply, and
+    the episode goes on (``work``: what DONE completes, "task" or "fix")."""
+    return StepOutcome(Observation([{"role": "user", "content":
+        "Your reply had no ```bash code block to run and did not say DONE. Reply with one ```bash "
+        f"block of commands, or DONE when the {work} is complete."}]), info={"malformed": True})
+
+
 def render_result(result: ExecResult) -> str:
     """What the agent sees of one command: the exit code, then each stream's tail."""
     head = f"exit code {result.returncode}"
@@ -137,9 +145,7 @@ class TerminalEnv(Env):
             raise EnvError("the episode is over")
         commands, done = parse_action(action)
         if commands is None and not done:
-            return StepOutcome(Observation([{"role": "user", "content":
-                "Your reply had no ```bash code block to run and did not say DONE. Reply with one ```bash "
-                "block of commands, or DONE when the task is complete."}]), info={"malformed": True})
+            return malformed("task")
         if commands is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:

@@ -20,13 +20,17 @@ from typing import Callable
 import torch
 
 
-def _scaled_chunks(logits: torch.Tensor, temperature: float, chunk_size: int | None):
+def _check_args(logits: torch.Tensor, temperature: float, chunk_size: int | None) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _scaled_chunks(logits: torch.Tensor, temperature: float, chunk_size: int | None):
+    _check_args(logits, temperature, chunk_size)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     step = chunk_size or max(logits.shape[0], 1)
     for start in range(0, logits.shape[0], step):
@@ -64,8 +68,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             lse[start:end] = torch.logsumexp(z, dim=-1)
             out[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
             if entropy:
-                p = torch.exp(z - lse[start:end, None])
-                ent[start:end] = lse[start:end] - (p * z.masked_fill_(torch.isneginf(z), 0.0)).sum(-1)
+                ent[start:end] = _entropy(z, lse[start:end])
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         if entropy:
@@ -103,7 +106,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor,
     """``token_logprobs`` (with its gradient) and the detached ``token_entropy`` of the same
     logits, in one pass over bf16 ones."""
     if logits.requires_grad and torch.is_grad_enabled() and logits.dtype in (torch.bfloat16, torch.float16):
-        next(_scaled_chunks(logits[:0], 1.0, chunk_size), None)  # the argument checks
+        _check_args(logits, 1.0, chunk_size)
         return _ChunkedTokenLogprobs.apply(logits, _checked_targets(logits, target_ids), 1.0, chunk_size, True)
     with torch.no_grad():
         entropy = token_entropy(logits.detach(), chunk_size=chunk_size)
@@ -120,7 +123,7 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: 
     """
     targets = _checked_targets(logits, target_ids)
     if logits.requires_grad and torch.is_grad_enabled() and logits.dtype in (torch.bfloat16, torch.float16):
-        next(_scaled_chunks(logits[:0], temperature, chunk_size), None)  # the same argument checks
+        _check_args(logits, temperature, chunk_size)
         return _ChunkedTokenLogprobs.apply(logits, targets, float(temperature), chunk_size or DEFAULT_CHUNK, False)
 
     def chunk(start: int, z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -136,10 +139,13 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: in
     ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, which avoids ``log p`` of tiny probabilities
     (``0 * log 0`` would be NaN), tolerates ``-inf`` logits, and needs one chunk's softmax at a time.
     """
-    def chunk(start: int, z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        p = torch.exp(z - lse.unsqueeze(-1))
-        # Banned tokens (logit -inf) have p = 0; 0 * -inf would be NaN in the value and the gradient.
-        finite_z = z.masked_fill(torch.isneginf(z), 0.0)
-        return lse - (p * finite_z).sum(-1)
+    return _per_token(logits, temperature, chunk_size, lambda start, z, lse: _entropy(z, lse))
 
-    return _per_token(logits, temperature, chunk_size, chunk)
+
+def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``token_entropy``'s formula on one chunk of scaled logits ``z`` and their logsumexp. Not in
+    place: ``z`` may be the caller's own float32 logits."""
+    p = torch.exp(z - lse.unsqueeze(-1))
+    # Banned tokens (logit -inf) have p = 0; 0 * -inf would be NaN in the value and the gradient.
+    finite_z = z.masked_fill(torch.isneginf(z), 0.0)
+    return lse - (p * finite_z).sum(-1)

@@ -26,7 +26,7 @@ from clawrl.envs.sandbox import Sandbox
 from clawrl.envs.swe.evaluate import Verdict, evaluate
 from clawrl.envs.swe.instances import Instance, instance_of, refusal
 from clawrl.envs.swe.testbed import WORKDIR, diff, materialise, open_testbed
-from clawrl.envs.terminal import parse_action, render_result
+from clawrl.envs.terminal import malformed, parse_action, render_result
 
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 REWARDS = ("resolved", "f2p_share")
@@ -78,9 +78,7 @@ class SweEnv(Env):
             raise EnvError("the episode is over")
         commands, done = parse_action(action)
         if commands is None and not done:
-            return StepOutcome(Observation([{"role": "user", "content":
-                "Your reply had no ```bash code block to run and did not say DONE. Reply with one ```bash "
-                "block of commands, or DONE when the fix is complete."}]), info={"malformed": True})
+            return malformed("fix")
         if commands is not None:
             result = await self.sandbox.exec(commands, timeout_s=self.exec_timeout_s)
             if result.stdout.lstrip().startswith(SUBMIT):
