@@ -183,7 +183,8 @@ def variants(tokens: int) -> list[tuple[str, list[str]]]:
     return [("default", []), ("gradient_checkpointing", ["train.gradient_checkpointing=true"]),
             ("two_micro_batches", [f"train.micro_batch_tokens={tokens // 2}"]),
             ("float32_params_autocast", ["train.param_dtype=float32"]),
-            ("compiled", ["train.compile=on"]), ("eager", ["train.compile=off"])]
+            ("compiled", ["train.compile=on"]), ("eager", ["train.compile=off"]),
+            ("compiled_layer", ["train.compile=on", "train.compile_scope=layer"])]
 
 
 def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[str] | None = None) -> dict:

@@ -433,6 +433,7 @@ def test_choices_match_what_core_accepts():
         "env.step_judge": env_source.STEP_JUDGES, "engine.decode_attention": static_decode.ATTENTIONS,
         "train.param_dtype": ("auto", *torch_trainer.PARAM_DTYPES), "env.swe_reward": swe_env.REWARDS,
         "model.linear_attention": delta_rule.CHOICES, "train.compile": compiled_layers.MODES,
+        "train.compile_scope": compiled_layers.SCOPES,
     }
     choices = {key: f.metadata["choices"] for key, f in _leaves(ClawrlConfig) if f.metadata.get("choices")}
     for key, accepted in core.items():

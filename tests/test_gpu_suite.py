@@ -50,12 +50,13 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
     t = res["train"]  # the trainer against the probe's HF loop, with every variant
     assert t["hf"]["tok_s"] > 0 and t["tokens_per_step"] == 4 * 64
     for key in ("torch", "torch_gradient_checkpointing", "torch_two_micro_batches", "torch_float32_params_autocast",
-                "torch_compiled", "torch_eager"):
+                "torch_compiled", "torch_eager", "torch_compiled_layer"):
         assert t[key]["tok_s"] > 0 and t[key]["ratio_to_hf"] == pytest.approx(t["hf"]["step_s"] / t[key]["step_s"])
         assert t[key]["packed_attention"] and t[key]["commit"]
     assert t["torch_two_micro_batches"]["micro_batches"] == 2 and t["torch"]["micro_batches"] == 1
     # train.compile's default (auto) compiles on a GPU only
     assert t["torch_compiled"]["compiled_modules"] > 0 and t["torch_eager"]["compiled_modules"] == 0
+    assert t["torch_compiled_layer"]["compiled_modules"] == 2  # the tiny shape's two layers, whole
     assert t["torch"]["compiled_modules"] == 0
     # the directory's own defaults apply (none), not the embedded model's KL reference: one forward a step
     assert t["torch"]["pi_old_from_loss_forward"]

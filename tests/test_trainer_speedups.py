@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clawrl.trainers import packed_attention
+from clawrl.trainers import compiled_layers, packed_attention
 from clawrl.trainers.batching import build_micro_batch
 from test_trainer import make_samples, model_dir, on_policy, trainer_for  # noqa: F401 (fixture)
 
@@ -157,6 +157,31 @@ def test_one_pass_logprobs_and_entropy_equal_the_two_functions():
     assert torch.isfinite(logits.grad.float()).all()
 
 
+def test_layers_compiled_whole_take_the_same_step_and_new_lengths_compile_nothing(model_dir):
+    """train.compile_scope=layer: the same numbers as eager; and since the packed bounds reach the
+    (eager) attention as a tensor, a second step with other lengths and another sample count
+    reuses the first step's graphs."""
+    first, second = make_samples(400, n=4, seed=11), make_samples(400, n=3, seed=12)
+    assert sorted(len(s.response_ids) for s in first) != sorted(len(s.response_ids) for s in second)
+    results = {}
+    for mode in ("off", "on"):
+        trainer = trainer_for(model_dir, "train.lr=1e-3", f"train.compile={mode}", "train.compile_scope=layer",
+                              "train.replay_coef=0")
+        assert trainer.packed and trainer.compiled == (0 if mode == "off" else trainer.model.config.num_hidden_layers)
+        on_policy(trainer, first)
+        results[mode] = trainer.train_step(first, weight_version=0)
+        assert results[mode].ok and results[mode].metrics["micro_batches"] == 1
+        on_policy(trainer, second)
+        with torch._dynamo.config.patch(error_on_recompile=mode == "on"):
+            results[mode, 2] = trainer.train_step(second, weight_version=1)
+        assert results[mode, 2].ok
+    for key in ("loss", "entropy", "grad_norm"):
+        assert results["on"].metrics[key] == pytest.approx(results["off"].metrics[key], rel=1e-4), key
+        assert results["on", 2].metrics[key] == pytest.approx(results["off", 2].metrics[key], rel=1e-3), key
+    with pytest.raises(ValueError, match="train.compile_scope must be one of"):
+        compiled_layers.compile_layers(trainer.model, "model")
+
+
 def test_compiled_norms_and_mlp_take_the_same_step(model_dir):
     """train.compile=on (inductor on CPU here) changes no number beyond float rounding; the parts are
     compiled in place, so parameter names and the exported weights stay the plain model's."""
@@ -165,7 +190,8 @@ def test_compiled_norms_and_mlp_take_the_same_step(model_dir):
     samples = make_samples(400, n=4, seed=10)
     results, weights, after = {}, {}, {}
     for mode in ("off", "on"):
-        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.micro_batch_tokens=30", f"train.compile={mode}")
+        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.micro_batch_tokens=30", f"train.compile={mode}",
+                              "train.replay_coef=0")  # the embedded model's replay would decode with each
         layers = trainer.model.config.num_hidden_layers
         assert trainer.compiled == (0 if mode == "off" else 5 * layers)  # two norms, MLP, q/k norms (Qwen3)
         on_policy(trainer, samples)

@@ -194,6 +194,10 @@ class TrainConfig:
                           "elementwise kernels; the first steps compile): on | off | auto (on a GPU only; "
                           "1.27x the eager step on the Qwen3-1.7B shape, BENCHMARKS.md).",
                           choices=("off", "on", "auto"))
+    compile_scope: str = option("parts", "What train.compile compiles: parts (each decoder layer's norms and MLP, "
+                                "the measured default) | layer (each decoder layer whole, fusing rotary and the "
+                                "residual adds too; attention stays eager; not yet measured on a GPU).",
+                                choices=("parts", "layer"))
     param_dtype: str = option("auto", "Torch trainer's parameters: bfloat16 (bf16 weights, float32 master weights, "
                               "gradients and AdamW state) | float32 (float32 weights, bf16 autocast on a GPU) | "
                               "auto (bfloat16 on a GPU, float32 on CPU).", choices=("auto", "bfloat16", "float32"))

@@ -5,10 +5,15 @@ attention, in kernels that each make one pass over the activations: an HF RMSNor
 forward (cast, square, mean, rsqrt, scale) and more backward, and the MLP's ``silu(gate) * up``
 another three. Inductor fuses each of these groups into one or two kernels.
 
-Parts, not the whole layer: attention receives the packed sequences' bounds as a Python tuple
-(``clawrl.trainers.packed_attention``), which dynamo would guard on by value and recompile for
-every new set of sample lengths. The norms and the MLP see only an activation tensor whose token
-count is marked dynamic, so one compilation serves every step; the first steps pay for it.
+Two scopes (``train.compile_scope``):
+
+- ``parts``, the default and the measured one: each layer's norms and MLP. They see only an
+  activation tensor whose token count is marked dynamic, so one compilation serves every step; the
+  first steps pay for it.
+- ``layer``: each decoder layer whole, which also fuses rotary, the residual adds and the casts
+  around attention. Attention itself stays eager (``packed_attention_forward`` is opaque to dynamo,
+  a graph break inside the layer), and the packed sequences' bounds reach it as a CPU tensor of
+  symbolic size, not a tuple dynamo would guard on by value, so new sample lengths compile nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ log = logging.getLogger(__name__)
 
 PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.q_norm", "self_attn.k_norm")
 MODES = ("off", "on", "auto")
+SCOPES = ("parts", "layer")
 
 
 def wanted(mode: str, device: torch.device) -> bool:
@@ -30,15 +36,24 @@ def wanted(mode: str, device: torch.device) -> bool:
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
-def compile_layers(model: torch.nn.Module) -> int:
+def compile_layers(model: torch.nn.Module, scope: str = "parts") -> int:
     """Compile ``PARTS`` of each decoder layer of ``model`` (an HF causal LM, or a peft model around
-    one) in place; parameter names and the state dict stay as they were. Returns how many modules
-    were compiled: 0, with the reason logged, for a model without ``model.layers``."""
+    one), or each layer whole (``scope="layer"``), in place; parameter names and the state dict stay
+    as they were. Returns how many modules were compiled: 0, with the reason logged, for a model
+    without ``model.layers``."""
+    if scope not in SCOPES:
+        raise ValueError(f"train.compile_scope must be one of {SCOPES}, got {scope!r}")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(getattr(base, "model", None), "layers", None)
     if layers is None:
         log.info("train.compile: %s has no model.layers; nothing compiled", type(base).__name__)
         return 0
+    if scope == "layer":
+        for layer in layers:
+            layer.compile(dynamic=True)
+        log.info("train.compile: %d decoder layers compiled whole (attention eager between their graphs); the "
+                 "first train steps compile them", len(layers))
+        return len(layers)
     count = 0
     for layer in layers:
         for name in PARTS:

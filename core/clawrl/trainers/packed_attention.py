@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "clawrl_packed"
-SEGMENTS = "clawrl_segments"  # the keyword: a tuple of (start, end) token offsets, one per sequence
+SEGMENTS = "clawrl_segments"  # the keyword: the sequences' (start, end) token offsets (``bounds_arg``)
 
 
 _calls = threading.local()  # bare: attention calls without the bounds, on this thread
@@ -36,6 +36,16 @@ def bare_calls() -> int:
     return getattr(_calls, "bare", 0)
 
 
+def bounds_arg(bounds) -> torch.Tensor:
+    """The keyword's value for ``bounds`` (``(start, end)`` pairs): an int64 ``[n, 2]`` tensor on the
+    CPU. A tensor, not a tuple, because a decoder layer compiled whole (``train.compile_scope=layer``)
+    passes it through its graph: dynamo would guard on a tuple's values and compile again for every
+    new set of sample lengths, while a tensor is a graph input of symbolic size. On the CPU, so that
+    reading it back costs no device sync."""
+    return torch.tensor(list(bounds), dtype=torch.int64).reshape(-1, 2)
+
+
+@torch.compiler.disable  # opaque to a compiled layer: runs eagerly, between its graphs
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, **kwargs):
     """transformers' attention signature: ``query`` ``[1, H, L, D]``, ``key``/``value`` ``[1, Hkv,
@@ -45,6 +55,8 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     segments = kwargs.pop(SEGMENTS, None)
     if segments is None:
         _calls.bare = bare_calls() + 1
+    elif isinstance(segments, torch.Tensor):
+        segments = segments.tolist()
     if segments is None or len(segments) == 1:  # one sequence: the model's causal attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

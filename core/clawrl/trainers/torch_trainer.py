@@ -124,7 +124,7 @@ class TorchTrainer(Trainer):
             enable(**{"activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else
                       "gradient_checkpointing_kwargs": {"use_reentrant": False}})
         model.config.use_cache = False
-        self.compiled = compiled_layers.compile_layers(model) if compiled_layers.wanted(
+        self.compiled = compiled_layers.compile_layers(model, train_cfg.compile_scope) if compiled_layers.wanted(
             train_cfg.compile, self.device) else 0
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -210,7 +210,7 @@ class TorchTrainer(Trainer):
             return self._hybrid_logits(model, mb)
         extra, mask = {}, None  # one sequence: the model's own causal attention (no [L, L] mask to hold)
         if self.packed:
-            extra[packed_attention.SEGMENTS] = mb.bounds
+            extra[packed_attention.SEGMENTS] = packed_attention.bounds_arg(mb.bounds)
         elif len(mb.bounds) > 1:
             seg = mb.segment
             causal = torch.ones(len(seg), len(seg), dtype=torch.bool, device=seg.device).tril()
