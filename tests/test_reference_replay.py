@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clawrl.config import ConfigError, compose
+from clawrl.config import ConfigError, compose, model_defaults_report
 from clawrl.samples import ReferenceReply, Sample, TeacherSignal
 from clawrl.trainers.batching import build_micro_batch, pack, trained_mask
-from clawrl.trainers.replay import reference_reply
+from clawrl.trainers.replay import batched_greedy_replies, reference_reply
 from test_trainer import make_samples, model_dir, on_policy, trainer_for  # noqa: F401 (fixture)
 
 MAX = 5  # train.replay_max_tokens: a random model seldom says eos
@@ -58,8 +58,8 @@ def opd_ready(s: Sample) -> Sample:
 
 @pytest.mark.parametrize("method", ["rl", "opd", "combine"])
 def test_a_step_raises_the_frozen_references_own_reply(model_dir, method):
-    trainer = trainer_for(model_dir, f"method={method}", "train.replay_coef=1", f"train.replay_max_tokens={MAX}",
-                          "train.lr=3e-3")
+    trainer = trainer_for(model_dir, f"method={method}", "train.replay_coef=1", "train.replay_topk=0",
+                          f"train.replay_max_tokens={MAX}", "train.lr=3e-3")
     samples = on_policy(trainer, make_samples(trainer.vocab_size, n=2, advantage=0.0))
     if method != "rl":
         samples = [opd_ready(s) for s in samples]
@@ -83,8 +83,8 @@ def test_replay_coef_scales_the_update_and_zero_turns_it_off(model_dir):
     # size whatever the scale of a lone gradient) shows how much of the gradient the replay's NLL is
     moved = {}
     for coef in (0.0, 0.5, 4.0):
-        trainer = trainer_for(model_dir, f"train.replay_coef={coef}", f"train.replay_max_tokens={MAX}",
-                              "train.lr=1e-3", dtype=torch.float64)
+        trainer = trainer_for(model_dir, f"train.replay_coef={coef}", "train.replay_topk=0",
+                              f"train.replay_max_tokens={MAX}", "train.lr=1e-3", dtype=torch.float64)
         [s] = on_policy(trainer, make_samples(trainer.vocab_size, n=1, advantage=-1.0, seed=3))
         reply = greedy(trainer, s)
         before = sum(trainer.logprobs([probe(s, reply)])[0])
@@ -161,10 +161,28 @@ def test_the_top_k_replay_has_no_gradient_at_the_reference_and_pulls_back_what_m
     assert kls[0] > 1e-4 and kls[-1] < kls[0], kls
 
 
+def test_greedy_replies_decoded_together_equal_each_decoded_alone(model_dir):
+    trainer = trainer_for(model_dir)
+    model = trainer.model.eval()
+    prompts = [s.prompt_ids for s in make_samples(trainer.vocab_size, n=5, seed=11)]  # 4 to 11 tokens: padded
+    eos = frozenset({prompts[0][0]})  # a token some reply may say, so that rows end at different steps
+    alone = [reference_reply(model, p, eos, 7, 0.0, torch.Generator(), topk=4) for p in prompts]
+    together = batched_greedy_replies(model, prompts, eos, [7, 7, 3, 7, 7], topk=4)
+    for i, (a, b) in enumerate(zip(alone, together)):
+        n = 3 if i == 2 else len(a.ids)
+        assert b.ids == a.ids[:n] and b.topk_ids == a.topk_ids[:n]
+        assert [x for row in b.topk_logprobs for x in row] == pytest.approx(
+            [x for row in a.topk_logprobs[:n] for x in row], abs=1e-4)
+
+
 def test_config_refuses_a_negative_coefficient_and_megatron():
     with pytest.raises(ConfigError, match=r"train.replay_coef=-1.0: must be >= 0"):
         compose(["train.replay_coef=-1"])
     with pytest.raises(ConfigError, match=r"train.replay_coef=0.5 with trainer.backend=megatron: the reference "
                                           r"replay runs in the torch trainer only"):
         compose(["train.replay_coef=0.5", "trainer.backend=megatron"])
-    assert compose(["trainer.backend=megatron"]).train.replay_coef == 0
+    # the embedded model's own default (conf/embedded.yaml) turns the replay on for the torch trainer only
+    assert compose([]).train.replay_coef > 0
+    megatron = compose(["trainer.backend=megatron"])
+    assert megatron.train.replay_coef == 0
+    assert "train.replay_coef=3.0, not applied: trainer.backend=megatron cannot use it" in model_defaults_report(megatron)

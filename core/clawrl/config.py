@@ -190,9 +190,10 @@ class TrainConfig:
                                      "forward/backward.", ge=1)
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass: less memory, "
                                           "slower steps.")
-    compile: str = option("auto", "Torch trainer: torch.compile each decoder layer's norms and MLP (fused "
-                          "elementwise kernels; the first steps compile): on | off | auto (on a GPU only; "
-                          "1.27x the eager step on the Qwen3-1.7B shape, BENCHMARKS.md).",
+    compile: str = option("auto", "torch.compile each decoder layer's norms and MLP (fused elementwise kernels; "
+                          "the first steps compile): on | off | auto (the torch trainer on a GPU only: 1.27x the "
+                          "eager step on the Qwen3-1.7B shape, BENCHMARKS.md; the megatron backend compiles "
+                          "only with on, not yet measured on a GPU).",
                           choices=("off", "on", "auto"))
     compile_scope: str = option("parts", "What train.compile compiles: parts (each decoder layer's norms and MLP, "
                                 "the measured default) | layer (each decoder layer whole, fusing rotary and the "
@@ -588,6 +589,9 @@ def _cross_problems(cfg: ClawrlConfig) -> list[tuple[str, str]]:
         out.append(("train.replay_coef", f"train.replay_coef={_num(t.replay_coef)} with trainer.backend="
                     f"{cfg.trainer.backend}: the reference replay runs in the torch trainer only (set "
                     "train.replay_coef=0, or trainer.backend=torch)"))
+    if t.compile_scope == "layer" and t.compile != "off" and cfg.trainer.backend == "megatron":
+        out.append(("train.compile_scope", "train.compile_scope=layer with trainer.backend=megatron: the megatron "
+                    "backend compiles each layer's norms and MLP only (set train.compile_scope=parts)"))
     if t.max_batch_size is not None and t.max_batch_size < t.batch_size:
         out.append(("train.max_batch_size", f"train.max_batch_size={t.max_batch_size} and train.batch_size="
                     f"{t.batch_size}: a step takes at least batch_size, so the bound must be at least that"))
@@ -704,9 +708,12 @@ def model_defaults_report(cfg: ClawrlConfig) -> str:
     layer = _load_layer(path)
     comments = _key_comments(path)
     parts = []
+    skipped = _not_for_backend(layer, cfg.trainer.backend)
     for key in _leaf_keys(layer):
         value, used = OmegaConf.select(layer, key), OmegaConf.select(OmegaConf.structured(cfg), key)
-        part = f"{key}={value}" + ("" if used == value else f", replaced by {used} from the recipe or command line")
+        part = f"{key}={value}" + ("" if used == value else
+                                   f", not applied: trainer.backend={cfg.trainer.backend} cannot use it" if key in skipped
+                                   else f", replaced by {used} from the recipe or command line")
         if key in comments:
             part += f" ({comments[key]})"
         parts.append(part)
@@ -736,10 +743,34 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
         model_layer = _load_layer(model_file)
         if "model.path" in _leaf_keys(model_layer):
             raise ConfigError(f"model.path in {model_file}: a model's own defaults cannot choose the model")
-        layers.insert(0, (str(model_file), model_layer))
+        layers.insert(0, (str(model_file), _without(model_layer, _not_for_backend(model_layer, first.trainer.backend))))
     cfg, sources = _merge(layers, dotlist)
     validate_config(cfg, sources)
     return cfg
+
+
+TORCH_TRAINER_ONLY = ("train.replay_coef",)  # what the megatron backend cannot do (its _cross_problems refusal)
+
+
+def _not_for_backend(model_layer, backend: str) -> list[str]:
+    """Keys of a per-model defaults layer that the trainer backend cannot use: a model's default turns a
+    torch-trainer feature on for the torch trainer, and must not make a megatron run fail (set on the
+    recipe or the command line, such a key is refused with the reason, ``_cross_problems``)."""
+    return [k for k in _leaf_keys(model_layer) if backend != "torch" and k in TORCH_TRAINER_ONLY]
+
+
+def _without(layer, keys: list[str]):
+    """``layer`` less ``keys`` (dotted), as a new tree."""
+    if not keys:
+        return layer
+    tree = OmegaConf.to_container(layer)
+    for key in keys:
+        *parents, last = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        del node[last]
+    return OmegaConf.create(tree)
 
 
 def _parse_overrides(overrides) -> list[tuple[str, Any]]:

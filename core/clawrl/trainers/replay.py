@@ -35,8 +35,8 @@ def reference_reply(model: torch.nn.Module, prompt_ids: list[int], eos_ids: froz
     ``max_tokens``. With ``topk`` > 0 also its top-k ids and logprobs (temperature 1) at each position,
     read off the same logits."""
     device = next(model.parameters()).device
-    # transformers renamed past_key_values to cache (5.2x); pass whichever this version takes (a peft wrapper's
-    # forward takes **kwargs: ask the model inside it)
+    # transformers renamed past_key_values to cache (5.2x), in and out; use whichever this version has (a peft
+    # wrapper's forward takes **kwargs: ask the model inside it)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     cache_kwarg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
     reply: list[int] = []
@@ -59,23 +59,83 @@ def reference_reply(model: torch.nn.Module, prompt_ids: list[int], eos_ids: froz
             if token in eos_ids or len(reply) >= max_tokens:
                 return ReferenceReply(reply, top_ids if topk > 0 else None, top_lps if topk > 0 else None)
             out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
-                        **{cache_kwarg: out.past_key_values})
+                        **{cache_kwarg: getattr(out, cache_kwarg)})
+
+
+def batched_greedy_replies(model: torch.nn.Module, prompts: list[list[int]], eos_ids: frozenset[int],
+                           max_tokens: list[int], topk: int = 0) -> list[ReferenceReply]:
+    """``reference_reply`` at temperature 0 for several prompts in one decode: the prompts left-padded
+    into one batch under an explicit mask (a padded position is seen by no real token, and sees only
+    itself so that its row stays finite), each row's positions counted from its own first token. One
+    forward per decoded token for the whole step instead of one per token of each reply: the
+    replay's decode is the step's largest cost on a CPU. Attention models only (a recurrent layer
+    would carry the padding into its state)."""
+    device = next(model.parameters()).device
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cache_kwarg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    n, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(n, width, dtype=torch.long, device=device)
+    real = torch.zeros(n, width, dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, device=device)
+        real[i, width - len(p):] = True
+    pos = (real.long().cumsum(-1) - 1).clamp(min=0)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(width, dtype=torch.bool, device=device)
+    mask = ((causal[None] & real[:, None, :]) | eye[None])[:, None]
+    replies: list[list[int]] = [[] for _ in prompts]
+    tops: list[tuple[list, list]] = [([], []) for _ in prompts]
+    done = [False] * n
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        nxt = pos[:, -1:] + 1
+        while True:
+            logits = out.logits[:, -1].float()
+            if topk > 0:
+                lps, top_ids = torch.log_softmax(logits, dim=-1).topk(topk)
+            tokens = logits.argmax(-1)
+            for i in range(n):
+                if done[i]:
+                    continue
+                replies[i].append(int(tokens[i]))
+                if topk > 0:
+                    tops[i][0].append(top_ids[i].tolist())
+                    tops[i][1].append(lps[i].tolist())
+                done[i] = int(tokens[i]) in eos_ids or len(replies[i]) >= max_tokens[i]
+            if all(done):
+                break
+            real = torch.cat([real, torch.ones(n, 1, dtype=torch.bool, device=device)], dim=1)
+            out = model(input_ids=tokens[:, None], attention_mask=real[:, None, None, :], position_ids=nxt,
+                        use_cache=True, **{cache_kwarg: getattr(out, cache_kwarg)})
+            nxt = nxt + 1
+    return [ReferenceReply(r, t[0] if topk > 0 else None, t[1] if topk > 0 else None)
+            for r, t in zip(replies, tops)]
 
 
 def attach_replays(model: torch.nn.Module, samples: list[Sample], eos_ids: frozenset[int], max_tokens: int,
-                   max_context: int, temperature: float, generator: torch.Generator, topk: int = 0) -> int:
+                   max_context: int, temperature: float, generator: torch.Generator, topk: int = 0,
+                   batched: bool = False) -> int:
     """Set ``Sample.replay`` to ``model``'s reply on the first sample of each distinct prompt (None on
     the repeats, and where the prompt leaves no room in ``max_context``); returns the number of
-    replayed tokens."""
+    replayed tokens. ``batched``: greedy replies decoded together (``batched_greedy_replies``)."""
     seen: set[tuple[int, ...]] = set()
-    tokens = 0
+    chosen: list[tuple[Sample, int]] = []
     for s in samples:
         key = tuple(s.prompt_ids)
         room = min(max_tokens, max_context - len(s.prompt_ids))
+        s.replay = None
         if key in seen or room < 1:
-            s.replay = None
             continue
         seen.add(key)
-        s.replay = reference_reply(model, list(s.prompt_ids), eos_ids, room, temperature, generator, topk)
-        tokens += len(s.replay.ids)
-    return tokens
+        chosen.append((s, room))
+    if not chosen:
+        return 0
+    if batched and temperature == 0:
+        replies = batched_greedy_replies(model, [list(s.prompt_ids) for s, _ in chosen], eos_ids,
+                                         [room for _, room in chosen], topk)
+    else:
+        replies = [reference_reply(model, list(s.prompt_ids), eos_ids, room, temperature, generator, topk)
+                   for s, room in chosen]
+    for (s, _), reply in zip(chosen, replies):
+        s.replay = reply
+    return sum(len(r.ids) for r in replies)
