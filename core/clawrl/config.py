@@ -708,12 +708,9 @@ def model_defaults_report(cfg: ClawrlConfig) -> str:
     layer = _load_layer(path)
     comments = _key_comments(path)
     parts = []
-    skipped = _not_for_backend(layer, cfg.trainer.backend)
     for key in _leaf_keys(layer):
         value, used = OmegaConf.select(layer, key), OmegaConf.select(OmegaConf.structured(cfg), key)
-        part = f"{key}={value}" + ("" if used == value else
-                                   f", not applied: trainer.backend={cfg.trainer.backend} cannot use it" if key in skipped
-                                   else f", replaced by {used} from the recipe or command line")
+        part = f"{key}={value}" + ("" if used == value else f", replaced by {used} from the recipe or command line")
         if key in comments:
             part += f" ({comments[key]})"
         parts.append(part)
@@ -743,34 +740,10 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
         model_layer = _load_layer(model_file)
         if "model.path" in _leaf_keys(model_layer):
             raise ConfigError(f"model.path in {model_file}: a model's own defaults cannot choose the model")
-        layers.insert(0, (str(model_file), _without(model_layer, _not_for_backend(model_layer, first.trainer.backend))))
+        layers.insert(0, (str(model_file), model_layer))
     cfg, sources = _merge(layers, dotlist)
     validate_config(cfg, sources)
     return cfg
-
-
-TORCH_TRAINER_ONLY = ("train.replay_coef",)  # what the megatron backend cannot do (its _cross_problems refusal)
-
-
-def _not_for_backend(model_layer, backend: str) -> list[str]:
-    """Keys of a per-model defaults layer that the trainer backend cannot use: a model's default turns a
-    torch-trainer feature on for the torch trainer, and must not make a megatron run fail (set on the
-    recipe or the command line, such a key is refused with the reason, ``_cross_problems``)."""
-    return [k for k in _leaf_keys(model_layer) if backend != "torch" and k in TORCH_TRAINER_ONLY]
-
-
-def _without(layer, keys: list[str]):
-    """``layer`` less ``keys`` (dotted), as a new tree."""
-    if not keys:
-        return layer
-    tree = OmegaConf.to_container(layer)
-    for key in keys:
-        *parents, last = key.split(".")
-        node = tree
-        for part in parents:
-            node = node[part]
-        del node[last]
-    return OmegaConf.create(tree)
 
 
 def _parse_overrides(overrides) -> list[tuple[str, Any]]:
