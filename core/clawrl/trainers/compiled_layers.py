@@ -28,6 +28,11 @@ MODES = ("off", "on", "auto")
 SCOPES = ("parts", "layer")
 
 
+# The same parts in megatron-core's local layer spec (its RMSNorms are torch's, its MLP the SwiGLU).
+MEGATRON_PARTS = ("input_layernorm", "pre_mlp_layernorm", "mlp", "self_attention.q_layernorm",
+                  "self_attention.k_layernorm")
+
+
 def wanted(mode: str, device: torch.device) -> bool:
     """``auto`` compiles on a GPU only: on CPU the compile time outweighs what fusion saves on the
     small models CPU runs train."""
@@ -54,15 +59,31 @@ def compile_layers(model: torch.nn.Module, scope: str = "parts") -> int:
         log.info("train.compile: %d decoder layers compiled whole (attention eager between their graphs); the "
                  "first train steps compile them", len(layers))
         return len(layers)
+    count = _compile_parts(layers, PARTS)
+    log.info("train.compile: %d norm and MLP modules of %d decoder layers compiled; the first train steps "
+             "compile them", count, len(layers))
+    return count
+
+
+def compile_megatron_layers(gpt: torch.nn.Module) -> int:
+    """``compile_layers``' parts scope for a megatron-core ``GPTModel`` of the local layer spec:
+    each layer's norms and MLP. Its attention takes the packed bounds as ``PackedSeqParams``
+    outside the compiled parts, as in the torch trainer."""
+    layers = gpt.decoder.layers
+    count = _compile_parts(layers, MEGATRON_PARTS)
+    log.info("train.compile: %d norm and MLP modules of %d megatron layers compiled; the first train steps "
+             "compile them", count, len(layers))
+    return count
+
+
+def _compile_parts(layers, names: tuple[str, ...]) -> int:
     count = 0
     for layer in layers:
-        for name in PARTS:
+        for name in names:
             try:
                 part = layer.get_submodule(name)
             except AttributeError:  # an architecture without it (no q/k norms, say)
                 continue
             part.compile(dynamic=True)
             count += 1
-    log.info("train.compile: %d norm and MLP modules of %d decoder layers compiled; the first train steps "
-             "compile them", count, len(layers))
     return count

@@ -50,6 +50,7 @@ class ParityReport:
     update_max_abs: float
     weight_max_abs_all: float
     topk_kl: tuple[float, float] | None = None  # (torch, megatron) when the top-k term is active
+    compiled: tuple[int, int] = (0, 0)  # (torch, megatron) modules compiled by train.compile
 
     @property
     def ok(self) -> bool:
@@ -67,6 +68,8 @@ class ParityReport:
                 f"{self.update_max_abs:.3e} (bound {WEIGHT_RTOL:g} of that; worst {self.worst_weight}; "
                 f"{self.weight_max_abs_all:.1e} counting weights whose gradient is below {ADAM_SENSITIVE_BELOW:g})",
                 *([f"top-k KL     torch {self.topk_kl[0]:.6f}  megatron {self.topk_kl[1]:.6f}"] if self.topk_kl else []),
+                *([f"compiled   torch {self.compiled[0]} modules, megatron {self.compiled[1]}"]
+                  if any(self.compiled) else []),
                 "parity: OK" if self.ok else "parity: FAILED"]
 
 
@@ -134,8 +137,8 @@ def _rank_main(rank: int, world: int, port: int, cfg: ClawrlConfig, model_path: 
         result = ranks.train_step(samples, 0)
         weights = ranks.hf_state()
         if rank == 0:
-            torch.save({"logprobs": lps, "result": result, "grads": ranks.kept_grads, "weights": weights},
-                       Path(out_dir) / "megatron.pt")
+            torch.save({"logprobs": lps, "result": result, "grads": ranks.kept_grads, "weights": weights,
+                        "compiled": ranks.compiled}, Path(out_dir) / "megatron.pt")
     finally:
         dist.destroy_process_group()
 
@@ -167,7 +170,8 @@ def run_torch(cfg: ClawrlConfig, model_path: str, samples: list[Sample]) -> dict
     result = trainer.train_step(samples, 0)
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     before = {k: v for k, v in TorchTrainer(cfg, model_path, device="cpu", dtype=torch.float32).model.state_dict().items()}
-    return {"logprobs": lps, "result": result, "grads": grads, "weights": weights, "before": before}
+    return {"logprobs": lps, "result": result, "grads": grads, "weights": weights, "before": before,
+            "compiled": trainer.compiled}
 
 
 def compare(ref: dict, meg: dict, layout: str) -> ParityReport:
@@ -194,7 +198,8 @@ def compare(ref: dict, meg: dict, layout: str) -> ParityReport:
     topk = None
     if "topk_kl" in ref["result"].metrics:
         topk = (ref["result"].metrics["topk_kl"], meg["result"]["metrics"]["topk_kl"])
-    return ParityReport(layout, lp, loss, grad_rel, w_abs, worst_grad, worst_w, moved, w_all, topk)
+    return ParityReport(layout, lp, loss, grad_rel, w_abs, worst_grad, worst_w, moved, w_all, topk,
+                        (ref["compiled"], meg["compiled"]))
 
 
 def check_parallel(cfg: ClawrlConfig, model_path: str, world: int | None = None) -> ParityReport:
