@@ -541,10 +541,12 @@ def table(results: dict) -> str:
             name = "clawrl torch trainer" + ("" if key == "torch" else f", {' '.join(d['overrides'])}")
             lines.append(f"| {name} | {d['tok_s']:.0f} | {d['mfu']:.1%} | {d['ratio_to_hf']:.2f} "
                          f"| {d['peak_mem_gib']:.1f} |")
-        meg = train.get("megatron", {})
-        if "tok_s" in meg:
-            lines.append(f"| clawrl megatron backend (1 rank; {meg['ratio_to_torch']:.2f}x the torch trainer) "
-                         f"| {meg['tok_s']:.0f} | {meg['mfu']:.1%} | {meg['ratio_to_hf']:.2f} | {meg['peak_mem_gib']:.1f} |")
+        for key in ("megatron", "megatron_compiled"):
+            meg = train.get(key, {})
+            if "tok_s" in meg:
+                name = "clawrl megatron backend" + (f", {' '.join(meg['overrides'])}" if meg["overrides"] else "")
+                lines.append(f"| {name} (1 rank; {meg['ratio_to_torch']:.2f}x the torch trainer) | {meg['tok_s']:.0f} "
+                             f"| {meg['mfu']:.1%} | {meg['ratio_to_hf']:.2f} | {meg['peak_mem_gib']:.1f} |")
     if results.get("hybrid"):
         from gpu_hybrid import hybrid_table
 
@@ -576,7 +578,7 @@ def main(argv=None) -> int:
                     help="engine.decode_attention; decode figures of another than the default (sdpa) go under "
                          "decode_<name>")
     ap.add_argument("--train-variants", default=None,
-                    help="comma-separated torch trainer variants for --part train (default: all of them; "
+                    help="comma-separated trainer variants for --part train, megatron_compiled among them (default: all; "
                          "'default' is always measured)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"

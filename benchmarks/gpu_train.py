@@ -155,11 +155,11 @@ def _megatron_rank(rank: int, cfg, model_dir: str, batch: list, steps: int, out:
     Path(out).write_text(json.dumps({
         "runs_s": times, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
         "micro_batches": last["micro_batches"], "pi_old_from_loss_forward": ranks.pi_old_from_loss_forward,
-        "layer_spec": "transformer-engine" if ranks.te else "local"}))
+        "layer_spec": "transformer-engine" if ranks.te else "local", "compiled_modules": ranks.compiled}))
     dist.destroy_process_group()
 
 
-def megatron_steps(model_dir: str, device: str, batch: list, steps: int) -> dict:
+def megatron_steps(model_dir: str, device: str, batch: list, steps: int, overrides: tuple[str, ...] = ()) -> dict:
     """The megatron backend's step times and facts, from a spawned rank; ``{"skipped": why}`` when
     megatron-core is not installed."""
     try:
@@ -170,7 +170,8 @@ def megatron_steps(model_dir: str, device: str, batch: list, steps: int) -> dict
     from clawrl.config import compose
     from clawrl.trainers.megatron.parity import free_port
 
-    cfg = compose([f"model.path={model_dir}", f"model.device={device}", "train.lr=1e-6", "trainer.backend=megatron"])
+    cfg = compose([f"model.path={model_dir}", f"model.device={device}", "train.lr=1e-6", "trainer.backend=megatron",
+                   *overrides])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "megatron.json"
         mp.start_processes(_megatron_rank, args=(cfg, model_dir, batch, steps, str(out), free_port()), nprocs=1,
@@ -221,15 +222,19 @@ def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[s
                 "overrides": overrides, "runs_s": times, **info}
             print(f"train {name:>24}: {tokens / s:9.0f} tok/s, MFU {flops / s / 1e12 / ceiling:.1%}, "
                   f"{hf / s:.2f}x HF ({info})", flush=True)
-        meg = megatron_steps(str(model_dir), device, data, steps)
-        if "runs_s" in meg:
-            s, torch_s = statistics.median(meg["runs_s"]), out["torch"]["step_s"]
-            meg.update(tok_s=tokens / s, step_s=s, mfu=flops / s / 1e12 / ceiling, ratio_to_torch=torch_s / s,
-                       ratio_to_hf=hf / s)
-            print(f"train {'megatron backend':>24}: {tokens / s:9.0f} tok/s, MFU {meg['mfu']:.1%}, "
-                  f"{torch_s / s:.2f}x the torch trainer", flush=True)
-        else:
-            print(f"train {'megatron backend':>24}: {meg['skipped']}", flush=True)
-        out["megatron"] = meg
+        # megatron's default, and (a variant like the torch ones) train.compile=on, which its auto leaves off
+        for name, overrides in (("megatron", ()), ("megatron_compiled", ("train.compile=on",))):
+            if only is not None and name != "megatron" and name not in only:
+                continue
+            meg = megatron_steps(str(model_dir), device, data, steps, overrides)
+            if "runs_s" in meg:
+                s, torch_s = statistics.median(meg["runs_s"]), out["torch"]["step_s"]
+                meg.update(tok_s=tokens / s, step_s=s, mfu=flops / s / 1e12 / ceiling, ratio_to_torch=torch_s / s,
+                           ratio_to_hf=hf / s, overrides=list(overrides))
+                print(f"train {name.replace('_', ' ') + ' backend':>24}: {tokens / s:9.0f} tok/s, MFU "
+                      f"{meg['mfu']:.1%}, {torch_s / s:.2f}x the torch trainer", flush=True)
+            else:
+                print(f"train {name:>24}: {meg['skipped']}", flush=True)
+            out[name] = meg
     print(f"train {'HF loop':>24}: {tokens / hf:9.0f} tok/s, MFU {out['hf']['mfu']:.1%}", flush=True)
     return out

@@ -63,6 +63,8 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
     m = t["megatron"]  # the megatron backend on the same directory and samples, against the torch trainer
     assert m["tok_s"] > 0 and m["ratio_to_torch"] == pytest.approx(t["torch"]["step_s"] / m["step_s"])
     assert m["micro_batches"] == 1 and m["pi_old_from_loss_forward"] and m["commit"]
+    assert m["compiled_modules"] == 0 and t["megatron_compiled"]["compiled_modules"] == 10  # auto: eager there
+    assert t["megatron_compiled"]["ratio_to_torch"] > 0
     s = res["sync"]  # on CPU only gloo, its staged bytes checked against the sent ones
     assert s["gloo"]["ms"] > 0 and s["cross_process_ms"] == s["gloo"]["ms"] and "ipc" not in s
     # in process, into a started engine, checked against a reference model holding the same weights
