@@ -11,13 +11,14 @@ size and vocabulary. Both have random weights (``torch.manual_seed(0)``), bf16 o
 - Decode: 1, 8 and 64 concurrent streams, a 512-token random prompt each and 128 new tokens
   (temperature 1, EOS ignored), through the engine (``TorchEngine``, default config); HF's
   ``generate`` on the same model beside it, once (a side figure; the hybrid's eager decode is slow
-  enough that ``--repeat`` runs of both would not fit the suite's 8-minute budget). The attention model decodes in the CUDA-graph static
-  decoder; the hybrid on the ragged path (the static decoder knows only K/V), with
-  flash-linear-attention when it imports (``hybrid.kernels`` says which ran).
+  enough that ``--repeat`` runs of both would not fit the suite's 8-minute budget). The attention
+  model decodes in the CUDA-graph static decoder; the hybrid on the ragged path (the static decoder
+  knows only K/V), with flash-linear-attention when it imports (``hybrid.kernels`` says which ran).
 - Prefill: one cold 4096-token prompt, prefix cache flushed.
 - Train: the torch trainer's default settings on 8 samples of 16 prompt + 2032 response tokens
-  (gpu_train.py's batch; 4 on a card under 100 GiB, where 8 does not fit): tok/s and peak memory. The attention model packs them into one row with
-  per-sequence attention; the hybrid trains one row per sequence (torch_trainer.py says why).
+  (gpu_train.py's batch; 4 on a card under 100 GiB, where 8 does not fit): tok/s and peak memory.
+  The attention model packs them into one row with per-sequence attention; the hybrid trains one
+  row per sequence (torch_trainer.py says why).
 
 Every figure is the median of ``--repeat`` runs. ``--shape tiny`` runs it all on a CPU in seconds
 (a 4-layer hybrid against the suite's 2-layer tiny Qwen3), so the part cannot rot.

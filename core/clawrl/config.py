@@ -97,9 +97,9 @@ class ModelConfig:
                          pattern=r"auto|cpu|cuda(:\d+)?", allowed="auto, cpu, cuda or cuda:N")
     linear_attention: str = option("auto", "Kernels of the linear-attention (Gated DeltaNet) layers of hybrid models "
                                    "(Qwen3-Next, Qwen3.5), serving and training. auto: flash-linear-attention on a "
-                                   "GPU when it imports (pip install 'clawrl[fla]'), else pure torch; training falls back to "
-                                   "torch where fla refuses its gated backward (Hopper with Triton < 3.7.1, fla "
-                                   "issue #640). torch: the pure-torch chunked/recurrent path. fla: "
+                                   "GPU when it imports (pip install 'clawrl[fla]'), else pure torch; training falls "
+                                   "back to torch where fla refuses its gated backward (Hopper with Triton < 3.7.1, "
+                                   "fla issue #640). torch: the pure-torch chunked/recurrent path. fla: "
                                    "flash-linear-attention, an error without it, without a GPU, or where it "
                                    "cannot train. Unused by attention-only models.",
                                    choices=("auto", "torch", "fla"))
