@@ -118,6 +118,16 @@ def test_the_osworld_loader_refuses_what_needs_a_vm_or_the_network(tmp_path, edi
     assert "\n" not in str(e.value)
 
 
+def test_importing_the_environments_does_not_import_selenium_and_key_names_still_map():
+    """Selenium is imported by what drives a browser, so every environment (and the GPU image) loads
+    without it; the agent's key names still become WebDriver keys."""
+    code = ("import sys, clawrl.envs, clawrl.envs.gui.screen as s; assert 'selenium' not in sys.modules; "
+            "print(repr(s.key_chord('Ctrl+Enter')), s.key_chord('Hyper+a'), s.key_chord('Nope'), s.key_chord('x'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['\\ue009',", "'\\ue007']", "None", "None", "['x']"]
+
+
 def test_a_missing_browser_is_one_clear_line(monkeypatch):
     monkeypatch.setenv("MINIWOB_CHROME_BINARY", "/nonexistent/chromium")
     monkeypatch.setenv("MINIWOB_CHROMEDRIVER", "/nonexistent/chromedriver")

@@ -27,9 +27,6 @@ import threading
 from typing import Optional
 
 import psutil
-from selenium import webdriver
-from selenium.common.exceptions import WebDriverException
-from selenium.webdriver.chrome.service import Service
 
 from clawrl.envs.base import EnvError
 
@@ -67,6 +64,11 @@ class Browser:
     """One headless Chromium and its driver process."""
 
     def __init__(self):
+        # imported here, not at the top: importing clawrl.envs must not need selenium (screen.py says why)
+        from selenium import webdriver
+        from selenium.common.exceptions import WebDriverException
+        from selenium.webdriver.chrome.service import Service
+
         chrome, driver = binaries()
         os.environ["SE_OFFLINE"] = "true"  # Selenium Manager, should anything reach it: never download
         options = webdriver.ChromeOptions()

@@ -16,9 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from selenium.webdriver.common.action_chains import ActionChains
-from selenium.webdriver.common.keys import Keys
-
 from clawrl.envs.computer_use import Element
 
 DOM_SCRIPT = (Path(__file__).parent / "dom.js").read_text()
@@ -31,15 +28,16 @@ ROLES = {"BUTTON": "button", "A": "link", "TEXTAREA": "textbox", "SELECT": "comb
 TEXTBOXES = {"INPUT_text", "INPUT_password", "INPUT_email", "INPUT_number", "INPUT_search", "INPUT_tel",
              "INPUT_url", "INPUT_date", "INPUT_time"}
 ACTIONABLE = {"button", "link", "textbox", "combobox", "option", "checkbox", "radio", "slider"}
-# Key names the agent may use (the format's examples: Enter, Tab, ...), and single characters.
-KEYS = {"Enter": Keys.ENTER, "Return": Keys.ENTER, "Tab": Keys.TAB, "Backspace": Keys.BACKSPACE,
-        "Delete": Keys.DELETE, "Escape": Keys.ESCAPE, "Esc": Keys.ESCAPE, "Space": Keys.SPACE,
-        "ArrowUp": Keys.ARROW_UP, "ArrowDown": Keys.ARROW_DOWN, "ArrowLeft": Keys.ARROW_LEFT,
-        "ArrowRight": Keys.ARROW_RIGHT, "Up": Keys.ARROW_UP, "Down": Keys.ARROW_DOWN, "Left": Keys.ARROW_LEFT,
-        "Right": Keys.ARROW_RIGHT, "Home": Keys.HOME, "End": Keys.END, "PageUp": Keys.PAGE_UP,
-        "PageDown": Keys.PAGE_DOWN}
-MODIFIERS = {"Ctrl": Keys.CONTROL, "Control": Keys.CONTROL, "Shift": Keys.SHIFT, "Alt": Keys.ALT,
-             "Meta": Keys.META, "Cmd": Keys.META}
+# Key names the agent may use (the format's examples: Enter, Tab, ...), and single characters, as
+# the names of selenium's ``Keys`` constants. Selenium is imported by the functions that drive a
+# browser, so that importing clawrl.envs (every environment, and the GPU image) does not need it.
+KEYS = {"Enter": "ENTER", "Return": "ENTER", "Tab": "TAB", "Backspace": "BACKSPACE", "Delete": "DELETE",
+        "Escape": "ESCAPE", "Esc": "ESCAPE", "Space": "SPACE", "ArrowUp": "ARROW_UP", "ArrowDown": "ARROW_DOWN",
+        "ArrowLeft": "ARROW_LEFT", "ArrowRight": "ARROW_RIGHT", "Up": "ARROW_UP", "Down": "ARROW_DOWN",
+        "Left": "ARROW_LEFT", "Right": "ARROW_RIGHT", "Home": "HOME", "End": "END", "PageUp": "PAGE_UP",
+        "PageDown": "PAGE_DOWN"}
+MODIFIERS = {"Ctrl": "CONTROL", "Control": "CONTROL", "Shift": "SHIFT", "Alt": "ALT", "Meta": "META",
+             "Cmd": "META"}
 
 
 def _role(node: dict) -> str:
@@ -106,9 +104,15 @@ def center(element: Element) -> tuple[int, int]:
     return (left + right) // 2, (top + bottom) // 2
 
 
+def _chain(driver, **kwargs):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    return ActionChains(driver, **kwargs)
+
+
 def click(driver, x: int, y: int) -> None:
     """A real mouse click at page pixel (x, y): the page sees move, down, up and click."""
-    chain = ActionChains(driver, duration=0)
+    chain = _chain(driver, duration=0)
     chain.w3c_actions.pointer_action.move_to_location(x, y)
     chain.w3c_actions.pointer_action.click()
     chain.w3c_actions.perform()
@@ -116,7 +120,7 @@ def click(driver, x: int, y: int) -> None:
 
 def type_text(driver, text: str) -> None:
     """Keystrokes into the focused element."""
-    chain = ActionChains(driver, duration=0)
+    chain = _chain(driver, duration=0)
     for ch in text:
         chain.w3c_actions.key_action.key_down(ch)
         chain.w3c_actions.key_action.key_up(ch)
@@ -127,14 +131,16 @@ def key_chord(name: str) -> Optional[list[str]]:
     """The WebDriver keys of ``Enter``, ``a``, ``Ctrl+a``, ...; None for a name it does not know."""
     parts = name.split("+") if len(name) > 1 else [name]
     *mods, key = parts
-    if any(m not in MODIFIERS for m in mods):
+    if any(m not in MODIFIERS for m in mods) or (key not in KEYS and len(key) != 1):
         return None
-    main = KEYS.get(key, key if len(key) == 1 else None)
-    return None if main is None else [MODIFIERS[m] for m in mods] + [main]
+    from selenium.webdriver.common.keys import Keys
+
+    main = getattr(Keys, KEYS[key]) if key in KEYS else key
+    return [getattr(Keys, MODIFIERS[m]) for m in mods] + [main]
 
 
 def press(driver, keys: list[str]) -> None:
-    chain = ActionChains(driver, duration=0)
+    chain = _chain(driver, duration=0)
     for k in keys:
         chain.w3c_actions.key_action.key_down(k)
     for k in reversed(keys):
@@ -144,6 +150,6 @@ def press(driver, keys: list[str]) -> None:
 
 def scroll(driver, x: int, y: int, dy: int) -> None:
     """The mouse wheel at page pixel (x, y), ``dy`` pixels (positive: down)."""
-    chain = ActionChains(driver)
+    chain = _chain(driver)
     chain.w3c_actions.wheel_action.scroll(x=x, y=y, delta_y=dy, duration=0)
     chain.w3c_actions.perform()
