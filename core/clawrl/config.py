@@ -224,9 +224,10 @@ class TrainConfig:
     kl_in_reward: bool = option(False, "true: the KL is folded into the advantage; false: a loss term.")
     replay_coef: float = option(0.0, "Reference replay: each step the frozen starting policy (the KL's reference) "
                                 "writes its own reply to every distinct prompt of the step, and the policy trains "
-                                "on those token ids with token NLL times this coefficient, so that what the "
-                                "user's feedback does not judge is pulled back toward the start; 0: off. Torch "
-                                "trainer only.", ge=0)
+                                "on it under that prompt (replay_topk: NLL of its ids, or KL to its top-k) times "
+                                "this coefficient, so that what the user's feedback does not judge is pulled back "
+                                "toward the start; 0: off. Torch trainer only (BENCHMARKS.md, issue 21: on the "
+                                "embedded model it kept sums only by slowing the preference).", ge=0)
     replay_temperature: float = option(0.0, "Sampling temperature of the reference's replayed reply "
                                        "(train.replay_coef); 0: greedy.", ge=0)
     replay_max_tokens: int = option(256, "Most tokens of the reference's replayed reply (train.replay_coef).", ge=1)

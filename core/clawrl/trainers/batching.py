@@ -48,8 +48,9 @@ class MicroBatch:
     # [T] train.replay_coef: 1 on the tokens of the reference's own reply to a sample's prompt (their own
     # sequences, after the hinted ones), 0 elsewhere; None when the batch has none
     replay_mask: torch.Tensor | None = None
-    replay_topk_ids: torch.Tensor | None = None  # [T, K] the reference's top-k on the replay's tokens (train.replay_topk)
-    replay_topk_logprobs: torch.Tensor | None = None  # [T, K]
+    # [T, K] train.replay_topk: the reference's top-k ids and logprobs on the replay's tokens, 0 elsewhere
+    replay_topk_ids: torch.Tensor | None = None
+    replay_topk_logprobs: torch.Tensor | None = None
     num_samples: int = 0  # the first num_samples sequences are the samples' own, in order
 
     @property
@@ -171,9 +172,9 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         hinted_w += [0.0] * r
         replay += [0.0] * r
 
-    def add_nll_only(prompt: list[int], response: list[int], hinted_weight: float, replay_flag: float) -> None:
-        """A sequence whose tokens train only through an NLL term: no policy-gradient signal on them,
-        since they are not the student's own sample."""
+    def add_not_sampled(prompt: list[int], response: list[int], hinted_weight: float, replay_flag: float) -> None:
+        """A sequence whose tokens train only through a term of their own (the hinted NLL, the replay's
+        NLL or KL): no policy-gradient signal on them, since they are not the student's own sample."""
         r = add(prompt, response)
         for values, fill in ((temps, 1.0), (adv, 0.0), (mask, 0.0), (rollout, 0.0), (has_rl, False),
                              (has_opd, False), (teacher, math.nan), (top_ids, [0] * topk), (top_lps, [0.0] * topk),
@@ -183,12 +184,12 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
     for s in samples:
         hinted = hinted_sequence(s)
         if hinted is not None:
-            add_nll_only(s.prompt_ids, hinted[0], hinted[1], 0.0)
+            add_not_sampled(s.prompt_ids, hinted[0], hinted[1], 0.0)
     replays = [s for s in samples if s.replay is not None]
     replay_k = next((len(s.replay.topk_ids[0]) for s in replays if s.replay.topk_ids), 0)
     replay_ids, replay_lps = [[0] * replay_k] * len(targets), [[0.0] * replay_k] * len(targets)
     for s in replays:
-        add_nll_only(s.prompt_ids, [int(x) for x in s.replay.ids], 0.0, 1.0)
+        add_not_sampled(s.prompt_ids, [int(x) for x in s.replay.ids], 0.0, 1.0)
         if replay_k:
             if s.replay.topk_ids is None or len(s.replay.topk_ids) != len(s.replay.ids) or any(
                     len(row) != replay_k for row in s.replay.topk_ids):
