@@ -175,6 +175,21 @@ def test_greedy_replies_decoded_together_equal_each_decoded_alone(model_dir):
             [x for row in a.topk_logprobs[:n] for x in row], abs=1e-4)
 
 
+def test_a_hybrid_linear_attention_model_replays_one_prompt_at_a_time(tmp_path):
+    # no padded batch for a recurrent layer: its replies are decoded alone, and equal the greedy decode
+    from hybrid_testing import make_hybrid_dir
+
+    trainer = trainer_for(make_hybrid_dir(tmp_path / "q3n", "qwen3_next", std=0.1), "train.replay_coef=1",
+                          "train.replay_topk=4", f"train.replay_max_tokens={MAX}", "train.lr=1e-3")
+    assert trainer.hybrid
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, n=2, advantage=1.0, seed=4))
+    expected = [greedy(trainer, s) for s in samples]
+    result = trainer.train_step(samples, weight_version=0)
+    assert result.ok and [s.replay.ids for s in samples] == expected
+    assert result.metrics["replay_tokens"] == sum(len(e) for e in expected)
+    assert result.metrics["replay_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is still the reference
+
+
 def test_config_refuses_a_negative_coefficient_and_megatron():
     with pytest.raises(ConfigError, match=r"train.replay_coef=-1.0: must be >= 0"):
         compose(["train.replay_coef=-1"])
