@@ -1,7 +1,9 @@
-"""train.replay_coef, the reference replay (small random Qwen3, CPU): the frozen reference's own reply to
-each distinct prompt of a step is packed as a sequence of its own and trained with token NLL, under
-rl, opd and combine, with full fine-tuning and LoRA; the coefficient scales it and 0 turns it off; the
-megatron backend refuses it with a one-line reason."""
+"""train.replay_coef, the reference replay (small random Qwen3 and Qwen3-Next, CPU): the frozen reference's
+own reply to each distinct prompt of a step is packed as a sequence of its own and trained with token NLL,
+or with train.replay_topk the forward KL to its top-k (no gradient while the policy is the reference),
+under rl, opd and combine, with full fine-tuning and LoRA; greedy replies decoded together equal each
+decoded alone; the coefficient scales it and 0 turns it off; the megatron backend refuses it with a
+one-line reason."""
 from __future__ import annotations
 
 import pytest
