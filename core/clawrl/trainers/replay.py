@@ -114,10 +114,10 @@ def batched_greedy_replies(model: torch.nn.Module, prompts: list[list[int]], eos
 
 def attach_replays(model: torch.nn.Module, samples: list[Sample], eos_ids: frozenset[int], max_tokens: int,
                    max_context: int, temperature: float, generator: torch.Generator, topk: int = 0,
-                   batched: bool = False) -> int:
+                   batched: bool = False) -> None:
     """Set ``Sample.replay`` to ``model``'s reply on the first sample of each distinct prompt (None on
-    the repeats, and where the prompt leaves no room in ``max_context``); returns the number of
-    replayed tokens. ``batched``: greedy replies decoded together (``batched_greedy_replies``)."""
+    the repeats, and where the prompt leaves no room in ``max_context``). ``batched``: greedy replies
+    decoded together (``batched_greedy_replies``)."""
     seen: set[tuple[int, ...]] = set()
     chosen: list[tuple[Sample, int]] = []
     for s in samples:
@@ -129,7 +129,7 @@ def attach_replays(model: torch.nn.Module, samples: list[Sample], eos_ids: froze
         seen.add(key)
         chosen.append((s, room))
     if not chosen:
-        return 0
+        return
     if batched and temperature == 0:
         replies = batched_greedy_replies(model, [list(s.prompt_ids) for s, _ in chosen], eos_ids,
                                          [room for _, room in chosen], topk)
@@ -138,4 +138,3 @@ def attach_replays(model: torch.nn.Module, samples: list[Sample], eos_ids: froze
                    for s, room in chosen]
     for (s, _), reply in zip(chosen, replies):
         s.replay = reply
-    return sum(len(r.ids) for r in replies)
