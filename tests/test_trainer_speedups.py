@@ -165,8 +165,7 @@ def test_layers_compiled_whole_take_the_same_step_and_new_lengths_compile_nothin
     assert sorted(len(s.response_ids) for s in first) != sorted(len(s.response_ids) for s in second)
     results = {}
     for mode in ("off", "on"):
-        trainer = trainer_for(model_dir, "train.lr=1e-3", f"train.compile={mode}", "train.compile_scope=layer",
-                              "train.replay_coef=0")
+        trainer = trainer_for(model_dir, "train.lr=1e-3", f"train.compile={mode}", "train.compile_scope=layer")
         assert trainer.packed and trainer.compiled == (0 if mode == "off" else trainer.model.config.num_hidden_layers)
         on_policy(trainer, first)
         results[mode] = trainer.train_step(first, weight_version=0)
@@ -190,8 +189,7 @@ def test_compiled_norms_and_mlp_take_the_same_step(model_dir):
     samples = make_samples(400, n=4, seed=10)
     results, weights, after = {}, {}, {}
     for mode in ("off", "on"):
-        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.micro_batch_tokens=30", f"train.compile={mode}",
-                              "train.replay_coef=0")  # the embedded model's replay would decode with each
+        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.micro_batch_tokens=30", f"train.compile={mode}")
         layers = trainer.model.config.num_hidden_layers
         assert trainer.compiled == (0 if mode == "off" else 5 * layers)  # two norms, MLP, q/k norms (Qwen3)
         on_policy(trainer, samples)
