@@ -110,7 +110,7 @@ def test_fla_kernels_asked_for_on_cpu_are_refused(dirs):
 def test_the_trainer_runs_the_layers_on_the_undecorated_torch_delta_rule_and_puts_them_back(dirs):
     """On a CPU the trainer takes the torch kernels; ``torch_kernels`` swaps HF's fla-or-torch
     wrappers for the torch functions they wrap only while its block runs."""
-    from clawrl.trainers.linear_attention import KERNEL_FUNCTIONS, torch_kernels
+    from clawrl.trainers.linear_attention import KERNEL_FUNCTIONS, kernel_bindings, torch_kernels
 
     trainer = trainer_for(dirs["qwen3_5"])
     assert trainer.linear_kernels == "torch"
@@ -120,7 +120,7 @@ def test_the_trainer_runs_the_layers_on_the_undecorated_torch_delta_rule_and_put
     ids = torch.tensor([make_samples(trainer.vocab_size, seed=8)[0].prompt_ids])
     with torch.no_grad():
         outside = model(input_ids=ids).logits
-        with torch_kernels(model):
+        with torch_kernels(kernel_bindings(model)):
             for name, fn in wrapped.items():
                 assert getattr(module, name) is inspect.unwrap(fn) and inspect.unwrap(fn) is not fn
             inside = model(input_ids=ids).logits

@@ -10,9 +10,9 @@ switch per model or per call. Two cases need its pure-torch delta rule instead:
   #640). On the H200 image (torch 2.11, Triton 3.6) that was a crash at the first backward of the
   first step, after the forward had run fine.
 
-``torch_kernels(model)`` rebinds the kernel functions of the model's modeling module to the
-undecorated torch functions they wrap, for the duration of a forward; that forward's backward is
-plain autograd and needs no rebinding. The rebinding is module-wide while it lasts: the engine's
+``torch_kernels(kernel_bindings(model))`` rebinds the kernel functions of the model's modeling
+module to the undecorated torch functions they wrap, for the duration of a forward; that forward's
+backward is plain autograd and needs no rebinding. The rebinding is module-wide while it lasts: the engine's
 own hybrid forward (``clawrl.engines.hybrid``) never calls these functions, so serving beside
 training is unaffected.
 """
@@ -63,21 +63,22 @@ def training_kernels(choice: str, device: torch.device) -> str:
     return "torch"
 
 
-def _modeling_modules(model: torch.nn.Module) -> list:
-    """The modules defining ``model``'s linear-attention layers (one per architecture)."""
+def kernel_bindings(model: torch.nn.Module) -> list[tuple[object, str, object]]:
+    """(module, name, HF's function) for each kernel function of the modules that define ``model``'s
+    linear-attention layers, found once so that each forward only rebinds them."""
     names = {type(m).__module__ for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "dt_bias")}
-    return [sys.modules[n] for n in sorted(names)]
+    return [(mod, name, getattr(mod, name)) for mod in (sys.modules[n] for n in sorted(names))
+            for name in KERNEL_FUNCTIONS if hasattr(mod, name)]
 
 
 @contextlib.contextmanager
-def torch_kernels(model: torch.nn.Module):
-    """Run ``model``'s HF linear-attention layers on their pure-torch delta rule inside the block."""
-    saved = [(mod, name, getattr(mod, name)) for mod in _modeling_modules(model) for name in KERNEL_FUNCTIONS
-             if hasattr(mod, name)]
+def torch_kernels(bindings: list[tuple[object, str, object]]):
+    """Run the HF linear-attention layers of ``bindings`` (``kernel_bindings``) on their pure-torch
+    delta rule inside the block."""
     try:
-        for mod, name, fn in saved:
+        for mod, name, fn in bindings:
             setattr(mod, name, inspect.unwrap(fn))
         yield
     finally:
-        for mod, name, fn in saved:
+        for mod, name, fn in bindings:
             setattr(mod, name, fn)
