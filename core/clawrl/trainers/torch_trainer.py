@@ -242,14 +242,12 @@ class TorchTrainer(Trainer):
         generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + self.step)
         batched = not self.hybrid  # padding would enter a linear-attention layer's recurrent state
         self.model.eval()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
-            if self.lora:
-                with self.model.disable_adapter():
-                    attach_replays(self.model, samples, self.eos_ids, train_cfg.replay_max_tokens, self.max_context,
-                                   train_cfg.replay_temperature, generator, train_cfg.replay_topk, batched)
-            else:
-                attach_replays(self.ref_model, samples, self.eos_ids, train_cfg.replay_max_tokens, self.max_context,
-                               train_cfg.replay_temperature, generator, train_cfg.replay_topk, batched)
+        # the reference: under LoRA the base with the adapter off, else the frozen copy
+        reference = self.model.disable_adapter() if self.lora else contextlib.nullcontext()
+        with reference, torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            attach_replays(self.model if self.lora else self.ref_model, samples, self.eos_ids,
+                           train_cfg.replay_max_tokens, self.max_context, train_cfg.replay_temperature, generator,
+                           train_cfg.replay_topk, batched)
         return time.perf_counter() - started
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
