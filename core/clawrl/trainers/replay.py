@@ -28,6 +28,13 @@ import torch
 from clawrl.samples import ReferenceReply, Sample
 
 
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """The KV cache's keyword, in and out: transformers renamed past_key_values to cache (5.2x); a peft
+    wrapper's forward takes **kwargs, so ask the model inside it."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
 def reference_reply(model: torch.nn.Module, prompt_ids: list[int], eos_ids: frozenset[int], max_tokens: int,
                     temperature: float, generator: torch.Generator, topk: int = 0) -> ReferenceReply:
     """``model``'s reply to ``prompt_ids``, decoded token by token with its KV cache: greedy at
@@ -35,10 +42,7 @@ def reference_reply(model: torch.nn.Module, prompt_ids: list[int], eos_ids: froz
     ``max_tokens``. With ``topk`` > 0 also its top-k ids and logprobs (temperature 1) at each position,
     read off the same logits."""
     device = next(model.parameters()).device
-    # transformers renamed past_key_values to cache (5.2x), in and out; use whichever this version has (a peft
-    # wrapper's forward takes **kwargs: ask the model inside it)
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cache_kwarg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    cache_kwarg = _cache_kwarg(model)
     reply: list[int] = []
     top_ids: list[list[int]] = []
     top_lps: list[list[float]] = []
@@ -71,8 +75,7 @@ def batched_greedy_replies(model: torch.nn.Module, prompts: list[list[int]], eos
     replay's decode is the step's largest cost on a CPU. Attention models only (a recurrent layer
     would carry the padding into its state)."""
     device = next(model.parameters()).device
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cache_kwarg = "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    cache_kwarg = _cache_kwarg(model)
     n, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(n, width, dtype=torch.long, device=device)
     real = torch.zeros(n, width, dtype=torch.bool, device=device)
