@@ -1,9 +1,9 @@
 """Where one train step of the torch trainer spends its GPU time (the figures behind BENCHMARKS.md's
 "GPU training" breakdown): the train part's model and samples (``gpu_train.py``), one profiled step
 after warm-up, kernels grouped into matmuls, attention, the optimizer and the rest, and the 20
-costliest kernels, for each ``train.compile`` setting given.
+costliest kernels, for each setting given (``layer``: ``train.compile=on`` with ``compile_scope=layer``).
 
-    python benchmarks/gpu_train_profile.py [--shape qwen3-1.7b] [--compile off on]
+    python benchmarks/gpu_train_profile.py [--shape qwen3-1.7b] [--compile off on layer]
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def profile_step(trainer, batch: list) -> list[tuple[str, float, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-1.7b")
-    ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=("off", "on"))
+    ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=("off", "on", "layer"))
     args = ap.parse_args()
     suite, train = _load("gpu_suite"), _load("gpu_train")
     from clawrl.config import compose
@@ -70,8 +70,9 @@ def main() -> None:
         torch.cuda.empty_cache()
         batch = train.samples(vocab, batch_n, seq)
         for mode in args.compile:
-            trainer = TorchTrainer(compose([f"model.path={tmp}", "model.device=cuda", "train.lr=1e-6",
-                                           f"train.compile={mode}"]), tmp)
+            setting = (["train.compile=on", "train.compile_scope=layer"] if mode == "layer"
+                       else [f"train.compile={mode}"])
+            trainer = TorchTrainer(compose([f"model.path={tmp}", "model.device=cuda", "train.lr=1e-6", *setting]), tmp)
             kernels = profile_step(trainer, batch)
             del trainer
             torch.cuda.empty_cache()
@@ -79,7 +80,7 @@ def main() -> None:
             groups = collections.Counter()
             for name, ms, _ in kernels:
                 groups[group(name)] += ms
-            print(f"\n== train.compile={mode}: {total:.0f} ms of GPU time in one step ({args.shape}, "
+            print(f"\n== {' '.join(setting)}: {total:.0f} ms of GPU time in one step ({args.shape}, "
                   f"{batch_n} x {seq} tokens)")
             for kind, ms in groups.most_common():
                 print(f"  {kind:<42} {ms:7.1f} ms  {ms / total:5.1%}")
