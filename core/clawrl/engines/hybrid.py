@@ -173,6 +173,22 @@ class HybridForward:
             return pos[None, None].expand(3, 1, -1)
         return pos[None]
 
+    def rope_tables(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` ``[n, 1, rotary_dim]`` at positions ``pos``, for ``_rotate``."""
+        cos, sin = self.inner.rotary_emb(x[None], self._rope_positions(pos))
+        return cos[0][:, None, :], sin[0][:, None, :]
+
+    def gated_qkv(self, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """A gated attention layer's q ``[n, heads, d]`` and k ``[n, kv_heads, d]`` (normed, then partially
+        rotated), v, and the output gate ``[n, heads * d]`` (q_proj makes q and the gate together); the
+        layer's output is ``attn.o_proj(attention * sigmoid(gate))``."""
+        n, d = h.shape[0], self.head_dim
+        q, gate = attn.q_proj(h).view(n, self.n_heads, 2 * d).chunk(2, dim=-1)
+        q = attn.q_norm(q)
+        k = attn.k_norm(attn.k_proj(h).view(n, self.kv_heads, d))
+        v = attn.v_proj(h).view(n, self.kv_heads, d)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v, gate.reshape(n, self.n_heads * d)
+
     def check_weights(self) -> bool:
         """Nothing is fused: the forward reads the modules' parameters every step."""
         return False
@@ -205,8 +221,7 @@ class HybridForward:
         dev = self.inner.embed_tokens.weight.device
         lens, starts, ids, pos = segment_inputs(segments, dev)
         x = self.inner.embed_tokens(ids)
-        cos, sin = self.inner.rotary_emb(x[None], self._rope_positions(pos))
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [n, 1, rotary_dim]
+        cos, sin = self.rope_tables(x, pos)
         offs = [0]
         for n in lens[:-1]:
             offs.append(offs[-1] + n)
@@ -251,12 +266,7 @@ class HybridForward:
         """Gated full attention of layer ``li``: short-context decoders in one padded call
         (``batch``), every other request against its own K/V."""
         n_tok, d, hq, hkv = h.shape[0], self.head_dim, self.n_heads, self.kv_heads
-        q, gate = attn.q_proj(h).view(n_tok, hq, 2 * d).chunk(2, dim=-1)
-        gate = gate.reshape(n_tok, hq * d)
-        q = attn.q_norm(q)
-        k = attn.k_norm(attn.k_proj(h).view(n_tok, hkv, d))
-        v = attn.v_proj(h).view(n_tok, hkv, d)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k, v, gate = self.gated_qkv(attn, h, cos, sin)
         out = q.new_empty(n_tok, hq * d)
         slot = self.attn_index[li]
         pooled = set()
@@ -305,18 +315,13 @@ class HybridForward:
         slot = self.linear_index[li]
         km1 = self.conv_k - 1
         mixed, z, b, a = project_linear(la, h)
-        weight = la.conv1d.weight[:, 0]  # [conv_dim, kernel]
         conv_out = torch.empty_like(mixed)
         prefill = [i for i, n in enumerate(lens) if n > 1]
         pool = self._states
         if decode:
-            prev = pool.conv[:, slot]  # [B, C, k-1]
-            full = torch.cat([prev, mixed[rows][:, :, None].to(prev.dtype)], dim=-1)
-            y = (full * weight).sum(-1)
-            if la.conv1d.bias is not None:
-                y = y + la.conv1d.bias
+            y, window = conv_step(la, pool.conv[:, slot], mixed[rows])
             conv_out[rows] = y.to(conv_out.dtype)
-            pool.conv[:, slot] = full[:, :, 1:]
+            pool.conv[:, slot] = window
         cuts = {i: self._cuts(starts[i], lens[i]) for i in prefill}
         conv_snaps = {}
         for i in prefill:
@@ -399,6 +404,17 @@ def project_linear(la, h: torch.Tensor):
         return mixed, z.reshape(n, la.num_v_heads, la.head_v_dim), b.reshape(n, -1), a.reshape(n, -1)
     return (la.in_proj_qkv(h), la.in_proj_z(h).view(n, la.num_v_heads, la.head_v_dim), la.in_proj_b(h),
             la.in_proj_a(h))
+
+
+def conv_step(la, window: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal depthwise conv for one new input ``x [B, C]`` per sequence, given each one's last
+    ``kernel - 1`` inputs ``window [B, C, kernel-1]``: the conv output ``[B, C]`` (before its SiLU) and
+    the window moved on by one. Fixed shapes, no host sync: the static decoder captures it."""
+    full = torch.cat([window, x[:, :, None].to(window.dtype)], dim=-1)
+    y = (full * la.conv1d.weight[:, 0]).sum(-1)
+    if la.conv1d.bias is not None:
+        y = y + la.conv1d.bias
+    return y, full[:, :, 1:]
 
 
 def gates_and_heads(la, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
