@@ -134,7 +134,6 @@ class HybridForward:
     """Runs ``Segment`` lists through an HF hybrid model; see the module docstring."""
 
     ragged = True
-    static_decode = False  # the CUDA-graph decoder (static_decode.py) knows only attention KV
 
     def __init__(self, model, kernels: str = "auto", snapshot_tokens: int = 0):
         self.model = model
@@ -250,7 +249,7 @@ class HybridForward:
             else:
                 h = self.attention(li, layer.self_attn, h, states, starts, lens, offs, cos, sin, batch)
             x = x + h
-            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+            x = x + feed_forward(layer.mlp, layer.post_attention_layernorm(x))
         for s, n in zip(segments, lens):
             s.kv.length += n
             s.kv.kv.length = s.kv.length
@@ -449,7 +448,8 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
-def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
+def feed_forward(mlp, h: torch.Tensor) -> torch.Tensor:
+    """A layer's MLP (dense, or MoE) on ``h [n, hidden]``: the HF blocks take a batch dimension."""
     out = mlp(h[None])
     if isinstance(out, tuple):  # an MoE block that also returns router logits
         out = out[0]

@@ -13,7 +13,7 @@ updates, aborts, pause and cache flushes are commands applied between steps, whi
 a weight swap atomic per token.
 
 On a GPU, a request whose prompt is in and that fits a slot decodes in a ``StaticDecoder``
-(static_decode.py): a preallocated KV arena and a CUDA graph per batch/width bucket, with sampling
+(static_decode.py): preallocated per-slot state and a CUDA graph per batch/width bucket, with sampling
 on the device. Its step N is launched before step N-1's tokens are read back, so the host emits
 tokens while the GPU computes; a request that finishes meanwhile just has its extra token
 dropped. Longer requests, prefill chunks and scores run on the ragged path in the same step.
@@ -97,11 +97,12 @@ class _Request:
 class TorchEngine(Engine):
     """See the module docstring. ``model`` and ``tokenizer`` are the HF objects being served.
 
-    ``static_decode``: decode in a ``StaticDecoder`` (a preallocated KV arena, CUDA graphs on a
-    GPU); None means on CUDA only. ``static_capacity``: tokens per decode slot (default: what
-    fits in part of the free device memory); requests that would outgrow a slot decode on the
-    ragged path instead. ``linear_attention``: the delta-rule kernels of a hybrid model's
-    linear-attention layers (``model.linear_attention``: auto | torch | fla, delta_rule.py).
+    ``static_decode``: decode in a ``StaticDecoder`` (preallocated per-slot state: K/V, and a hybrid
+    model's conv and recurrent states; CUDA graphs on a GPU); None means on CUDA only.
+    ``static_capacity``: tokens per decode slot (default: what fits in part of the free device
+    memory); requests that would outgrow a slot decode on the ragged path instead.
+    ``linear_attention``: the delta-rule kernels of a hybrid model's linear-attention layers
+    (``model.linear_attention``: auto | torch | fla, delta_rule.py).
     """
 
     def __init__(self, loaded: LoadedModel, engine_cfg: EngineConfig, static_decode: bool | None = None,
@@ -132,7 +133,7 @@ class TorchEngine(Engine):
         self.decoder: StaticDecoder | None = None
         if static_decode is None:
             static_decode = loaded.device.type == "cuda"
-        if static_decode and self.runner.ragged and getattr(self.runner, "static_decode", True):
+        if static_decode and self.runner.ragged:
             cap = static_capacity or default_capacity(self.runner, engine_cfg.max_batch_size, self.max_context)
             if cap >= 2:
                 self.decoder = StaticDecoder(self.runner, engine_cfg.max_batch_size, cap,
