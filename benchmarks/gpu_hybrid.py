@@ -15,8 +15,12 @@ size and vocabulary. Both have random weights (``torch.manual_seed(0)``), bf16 o
   model decodes in the CUDA-graph static decoder; the hybrid on the ragged path (the static decoder
   knows only K/V), with flash-linear-attention when it imports (``hybrid.kernels`` says which ran).
 - Prefill: one cold 4096-token prompt, prefix cache flushed.
-- Train: the torch trainer's default settings on 8 samples of 16 prompt + 2032 response tokens
-  (gpu_train.py's batch; 4 on a card under 100 GiB, where 8 does not fit): tok/s and peak memory.
+- Train: the torch trainer's default settings with ``train.gradient_checkpointing=true`` on 8 samples
+  of 16 prompt + 2032 response tokens (gpu_train.py's batch; 4 on a card under 100 GiB): tok/s and
+  peak memory. Recomputation because the hybrid trains its linear layers on HF's pure-torch delta
+  rule on Hopper (fla refuses its backward there, trainers/linear_attention.py), whose saved
+  intermediates ran an 80 GB card out of memory at 4 x 2048 tokens; both models get it, so the
+  ratio compares like with like.
   The attention model packs them into one row with per-sequence attention; the hybrid trains one
   row per sequence (torch_trainer.py says why).
 
@@ -145,13 +149,17 @@ async def engine_figures(model, name: str, streams, prompt_len: int, new: int, p
     return out
 
 
+# Both models train with these (the module docstring says why).
+TRAIN_OVERRIDES = ["train.gradient_checkpointing=true"]
+
+
 def train_figures(model_dir: str, device: str, batch, seq: int, steps: int) -> dict:
     from gpu_train import clawrl_steps, samples
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
     data = samples(cfg.vocab_size, batch, seq)
-    times, info = clawrl_steps(model_dir, device, data, steps, [])
+    times, info = clawrl_steps(model_dir, device, data, steps, TRAIN_OVERRIDES)
     s = statistics.median(times)
     return {"tok_s": round(batch * seq / s, 1), "step_s": s, "runs_s": times, **info}
 
@@ -163,7 +171,8 @@ def run_hybrid(build_attention, shape: str, device: str, repeat: int, save_token
     if device == "cuda" and torch.cuda.get_device_properties(0).total_memory < 100 * 2 ** 30:
         batch //= 2  # the 1.7B attention model's 8 x 2048 step peaks at 72 GiB compiled: an 80 GB card takes 4
     out = {"hybrid_shape": HYBRID_SHAPES[shape], "streams": list(streams), "prompt_tokens": prompt_len,
-           "new_tokens": new, "prefill_tokens": prefill, "train_sequences": batch, "train_seq_len": seq}
+           "new_tokens": new, "prefill_tokens": prefill, "train_sequences": batch, "train_seq_len": seq,
+           "train_overrides": TRAIN_OVERRIDES}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {}
         for name, build in (("attention", build_attention), ("hybrid", build_hybrid)):
@@ -211,6 +220,6 @@ def hybrid_table(h: dict) -> list[str]:
     train = [f"{h[name]['train']['tok_s']:.0f}" if "tok_s" in h[name]["train"] else "failed" for name in
              ("hybrid", "attention")]
     ratio = f"{h['train_ratio']:.2f}" if h["train_ratio"] is not None else "-"
-    lines.append(f"| train, {h['train_sequences']} x {h['train_seq_len']} tokens, tok/s | {train[0]} | {train[1]} "
-                 f"| {ratio} |")
+    lines.append(f"| train, {h['train_sequences']} x {h['train_seq_len']} tokens ({' '.join(h['train_overrides'])}), "
+                 f"tok/s | {train[0]} | {train[1]} | {ratio} |")
     return lines
