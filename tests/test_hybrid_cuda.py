@@ -2,7 +2,9 @@
 without fla, ``pip install 'clawrl[fla]'``): fla's Triton kernels agree with the pure-torch delta
 rule (chunked, variable-length with per-sequence states, recurrent), the engine's ragged forward
 on fla matches its torch path and HF's forward, a fla engine's batched greedy equals its solo
-greedy, and the trainer takes a step on the GPU (on fla, or on torch where fla refuses its backward)."""
+greedy (both in the CUDA-graph static decoder) and the ragged path's, the static decoder's captured
+step (fla's recurrent kernel inside the graph) replays its eager step, and the trainer takes a step
+on the GPU (on fla, or on torch where fla refuses its backward)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +18,7 @@ from clawrl.engines.base import SamplingParams
 from clawrl.engines.hybrid import HybridForward
 from clawrl.engines.loading import load_model
 from clawrl.engines.ragged import Segment
+from clawrl.engines.static_decode import StaticDecoder
 from clawrl.engines.torch_engine import TorchEngine
 from hybrid_testing import HYBRID_ARCHS, make_hybrid_dir
 
@@ -97,18 +100,59 @@ def test_a_fla_engine_greedy_is_the_same_batched_or_alone(dirs):
     g_ = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, lm.model.config.vocab_size, (n,), generator=g_).tolist() for n in (7, 90, 33)]
 
-    async def main(batched: bool):
-        eng = TorchEngine(lm, EngineConfig(prefill_chunk_tokens=32 if batched else 4096), linear_attention="fla")
+    health = {}
+
+    async def main(batched: bool, static: bool = True):
+        eng = TorchEngine(lm, EngineConfig(prefill_chunk_tokens=32 if batched else 4096), linear_attention="fla",
+                          static_decode=static)
         await eng.start()
         try:
             if batched:
                 return await asyncio.gather(*(eng.generate(p, params) for p in prompts))
             return [await eng.generate(p, params) for p in prompts]
         finally:
+            health[(batched, static)] = (await eng.health())["static_decode"]
             await eng.shutdown()
-    together, alone = asyncio.run(main(True)), asyncio.run(main(False))
-    for t, s in zip(together, alone):
-        assert t.token_ids == s.token_ids
+    together, alone, ragged = asyncio.run(main(True)), asyncio.run(main(False)), asyncio.run(main(False, False))
+    for t, s, r in zip(together, alone, ragged):
+        assert t.token_ids == s.token_ids == r.token_ids
+    # the static decoder, its step captured as CUDA graphs, decoded the first two; the ragged path the third
+    assert health[(True, True)]["graphs"] and health[(True, True)]["captures"] >= 1
+    assert health[(False, False)] is None
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_the_hybrid_decode_graph_replays_the_eager_step_fp32(dirs, arch):
+    """Captured (graphs=True) against eager (graphs=False) static decoders over the same states: the
+    same logits at several batch and width buckets, after a slot leaves, and after a weight copied in
+    place; every graph captured (none left to run eagerly), fla's recurrent kernel inside it."""
+    lm = load_model(str(dirs[arch]), device="cuda", dtype="float32")
+    runner = HybridForward(lm.model, "fla")
+    vocab = lm.model.config.vocab_size
+    g_ = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, vocab, (n,), generator=g_).tolist() for n in (120, 9, 30)]
+    owners = [object() for _ in prompts]  # matched by identity
+    graphed = StaticDecoder(runner, slots=4, capacity=512, graphs=True)
+    eager = StaticDecoder(runner, slots=4, capacity=512, graphs=False)
+    with torch.no_grad():
+        for dec in (graphed, eager):
+            states = [runner.new_kv(64, 512) for _ in prompts]
+            runner.forward([Segment(s, p, []) for s, p in zip(states, prompts)])
+            for owner, s in zip(owners, states):
+                dec.admit(owner, s)
+        for step in range(12):  # 3 live (bucket 4, a padding row); the first prompt crosses width 128 to 256
+            nxt = torch.randint(3, vocab, (3,), generator=g_).tolist()
+            torch.testing.assert_close(graphed.step(nxt).clone(), eager.step(nxt).clone(), atol=1e-4, rtol=0)
+        graphed.release(owners[1])  # the third moves into the second's slot; 2 members: bucket 2
+        eager.release(owners[1])
+        for nxt in ([5, 6], [7, 8]):
+            torch.testing.assert_close(graphed.step(nxt).clone(), eager.step(nxt).clone(), atol=1e-4, rtol=0)
+        w = lm.model.model.norm.weight
+        w.copy_(w * 0.5)  # in place, as TorchEngine._update_weights does
+        graphed.check_weights()
+        eager.check_weights()
+        torch.testing.assert_close(graphed.step([9, 10]).clone(), eager.step([9, 10]).clone(), atol=1e-4, rtol=0)
+    assert graphed.captures >= 3 and all(graph is not None for graph in graphed._graphs.values()), graphed._graphs
 
 
 def test_the_trainer_steps_a_hybrid_model_on_the_gpu(dirs):
