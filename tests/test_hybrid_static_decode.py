@@ -108,6 +108,31 @@ def test_static_step_logits_equal_the_ragged_decode_as_slots_join_and_leave(load
     assert dec.lengths == [refs[name].length for name in live]
 
 
+def test_a_state_copied_back_from_its_slot_survives_the_ragged_decode_pool(loaded):
+    """A request that decoded on the ragged path before taking a slot is still a member of the
+    runner's decode pool if no ragged decode ran since; syncing that pool later (the engine does
+    before caching) must not write its stale rows over the state the slot copied back."""
+    lm = loaded["qwen3_5"]
+    runner, other = HybridForward(lm.model, "torch"), HybridForward(lm.model, "torch")  # other: the reference's
+    dec = StaticDecoder(runner, slots=2, capacity=CAPACITY, graphs=False)
+    prompt = ids_of(25, lm.model.config.vocab_size, seed=12)
+    with torch.no_grad():
+        mine, ref = runner.new_kv(64, CAPACITY), runner.new_kv(64, CAPACITY)
+        runner.forward([Segment(mine, prompt, []), Segment(ref, prompt, [])])
+        runner.forward([Segment(mine, [4], [0])])  # a ragged decode step: mine joins the pool
+        other.forward([Segment(ref, [4], [0])])
+        runner.sync()  # as the engine does before admitting
+        dec.admit("r", mine)
+        for t in (5, 6, 7):
+            dec.step([t])
+            other.forward([Segment(ref, [t], [0])])
+        dec.release("r", into=mine)
+        runner.sync()  # as the engine does before caching it
+        got = runner.forward([Segment(mine, [8], [0])])
+        want = other.forward([Segment(ref, [8], [0])])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_engine_batched_greedy_equals_solo_and_the_ragged_engine(loaded, arch):
     lm = loaded[arch]

@@ -365,28 +365,39 @@ class _StatePool:
     """The conv ``[B, n_linear, C, k-1]`` and recurrent ``[B, n_linear, H, K, V]`` states of the
     decoding requests, stacked, so each linear layer's decode step is one batched read and write
     instead of one copy per request and layer (on a GPU a kernel launch each). Rebuilt, after writing
-    its rows back into the requests' own states, whenever the set of decoders changes; ``sync``
-    writes back without dropping it."""
+    its rows back into the requests' own states, whenever the set of decoders changes or one of them
+    went on elsewhere (its length is not where this pool left it: the static decoder advanced it and
+    copied its state back); ``sync`` writes back without dropping it, and only what a step advanced
+    since, so it never writes stale rows over a state that went on elsewhere."""
 
     def __init__(self):
         self.members: list[HybridState] = []
+        self.lengths: list[int] = []  # each member's length after the pool's last step
         self.conv = self.ssm = None
+        self.advanced = False  # a step has advanced the rows since they were last written back
 
     def prepare(self, states: list[HybridState]) -> "_StatePool":
-        if len(states) == len(self.members) and all(a is b for a, b in zip(states, self.members)):
-            return self
-        self.sync()
-        fresh = _StatePool()
-        if states:
-            fresh.members = list(states)
-            fresh.conv = torch.stack([s.conv for s in states])
-            fresh.ssm = torch.stack([s.ssm for s in states])
-        return fresh
+        """The pool for this step's decoders ``states``, whose rows the step then advances."""
+        pool = self
+        if not (len(states) == len(self.members) and all(a is b for a, b in zip(states, self.members))
+                and [s.length for s in states] == self.lengths):
+            self.sync()
+            pool = _StatePool()
+            if states:
+                pool.members = list(states)
+                pool.conv = torch.stack([s.conv for s in states])
+                pool.ssm = torch.stack([s.ssm for s in states])
+        pool.lengths = [s.length + 1 for s in states]
+        pool.advanced = bool(states)
+        return pool
 
     def sync(self) -> None:
+        if not self.advanced:
+            return
         for row, s in enumerate(self.members):
             s.conv.copy_(self.conv[row])
             s.ssm.copy_(self.ssm[row])
+        self.advanced = False
 
 
 # -------------------------------------------------------------------- shared with the trainer
