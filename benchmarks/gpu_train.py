@@ -8,7 +8,8 @@ a step is ``model(input_ids=x, labels=x)`` on 8 x 2048 random tokens, then backw
 and loaded the way ``model.path`` loads any HF directory) with its own trainer and default settings
 on 8 samples of 16 prompt + 2032 response tokens, the same 16384 tokens a step, each sample an RL
 sample with its advantage, so that the whole objective (pi_old, PPO clip, TIS, entropy and gap
-metrics) runs; variants show what each setting costs. MFU counts what the baseline's probe counts:
+metrics) runs; variants show what each setting costs. On a card under 100 GiB (an H100) both sides
+take 4 sequences instead of 8 (``sequences`` in the output says which). MFU counts what the baseline's probe counts:
 6 x parameters per token plus causal attention, against the matmul ceiling measured in the run.
 
 The megatron backend (``trainer.backend=megatron``, one rank, tp=pp=1) trains the same directory on
@@ -193,6 +194,8 @@ def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[s
     ``save_tokenizer(dir)`` writes a tokenizer beside the saved weights). ``only`` names the torch
     variants to measure (all when None; "default" is always measured, since the ratios need it)."""
     batch, seq, steps = TRAIN_SIZES[shape]
+    if device == "cuda" and torch.cuda.get_device_properties(0).total_memory < 100 * 2 ** 30:
+        batch //= 2  # the eager 8 x 2048 step peaks at 89 GiB and megatron's at 110: an 80 GB card takes 4
     ceiling = matmul_tflops(device)
     model = build_model(shape, device)
     cfg = model.config
@@ -203,7 +206,7 @@ def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[s
     out = {"hf": {"tok_s": tokens / hf, "step_s": hf, "mfu": flops / hf / 1e12 / ceiling,
                   "how": "probe's loop: bf16 params, gradient checkpointing, fused AdamW, labels=x"},
            "matmul_tflops": ceiling, "tokens_per_step": tokens, "sequences": batch, "seq_len": seq,
-           "params": n_params}
+           "params": n_params, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         model.save_pretrained(model_dir)
@@ -215,7 +218,15 @@ def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[s
         for name, overrides in variants(tokens):
             if only is not None and name != "default" and name not in only:
                 continue
-            times, info = clawrl_steps(str(model_dir), device, data, steps, overrides)
+            try:
+                times, info = clawrl_steps(str(model_dir), device, data, steps, overrides)
+            except torch.OutOfMemoryError as e:  # recorded, so the other variants' figures still land
+                if name == "default":  # every ratio needs it
+                    raise
+                out[f"torch_{name}"] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}", "overrides": overrides}
+                print(f"train {name:>24}: out of memory", flush=True)
+                torch.cuda.empty_cache()
+                continue
             s = statistics.median(times)
             out["torch" if name == "default" else f"torch_{name}"] = {
                 "tok_s": tokens / s, "step_s": s, "mfu": flops / s / 1e12 / ceiling, "ratio_to_hf": hf / s,
