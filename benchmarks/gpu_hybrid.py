@@ -10,10 +10,10 @@ size and vocabulary. Both have random weights (``torch.manual_seed(0)``), bf16 o
 
 - Decode: 1, 8 and 64 concurrent streams, a 512-token random prompt each and 128 new tokens
   (temperature 1, EOS ignored), through the engine (``TorchEngine``, default config); HF's
-  ``generate`` on the same model beside it, once (a side figure; the hybrid's eager decode is slow
-  enough that ``--repeat`` runs of both would not fit the suite's 8-minute budget). The attention
-  model decodes in the CUDA-graph static decoder; the hybrid on the ragged path (the static decoder
-  knows only K/V), with flash-linear-attention when it imports (``hybrid.kernels`` says which ran).
+  ``generate`` on the same model beside it, once (a side figure; HF's eager hybrid decode is slow
+  enough that ``--repeat`` runs of it would not fit the suite's 8-minute budget). Both models decode
+  in the CUDA-graph static decoder (``static_decode`` says so; the hybrid's slots hold its conv and
+  recurrent states), the hybrid with flash-linear-attention when it imports (``hybrid.kernels``).
 - Prefill: one cold 4096-token prompt, prefix cache flushed.
 - Train: the torch trainer's default settings with ``train.gradient_checkpointing=true`` on 8 samples
   of 16 prompt + 2032 response tokens (gpu_train.py's batch; 4 on a card under 100 GiB): tok/s and
