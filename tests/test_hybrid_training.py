@@ -128,6 +128,38 @@ def test_the_trainer_runs_the_layers_on_the_undecorated_torch_delta_rule_and_put
     torch.testing.assert_close(inside, outside)
 
 
+def test_recomputation_in_the_backward_runs_on_the_torch_kernels_too(dirs, monkeypatch):
+    """With ``train.gradient_checkpointing`` the backward runs each layer's forward again. The torch
+    kernels must hold there too: on fla (an H100 run) the recomputation saved other tensors than the
+    forward and torch's checkpoint refused the step. Here HF's kernel functions are replaced by
+    wrappers that raise, standing for fla's refusal, around the same torch functions."""
+    import functools
+
+    from clawrl.trainers.linear_attention import KERNEL_FUNCTIONS, kernel_bindings, torch_kernels
+
+    probe = load_model(str(dirs["qwen3_next"]), device="cpu").model
+    (module,) = {sys.modules[type(m).__module__] for m in probe.modules() if hasattr(m, "A_log")}
+
+    def refusing(fn):
+        @functools.wraps(fn)  # __wrapped__: what the trainer unwraps to
+        def kernel(*args, **kwargs):
+            raise RuntimeError("the fla kernel ran")
+        return kernel
+    for name in KERNEL_FUNCTIONS:
+        monkeypatch.setattr(module, name, refusing(getattr(module, name)))
+    installed = {name: getattr(module, name) for name in KERNEL_FUNCTIONS}
+    trainer = trainer_for(dirs["qwen3_next"], "train.gradient_checkpointing=true", "train.lr=1e-3")
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, n=2, seed=5))
+    result = trainer.train_step(samples, weight_version=0)
+    assert result.ok and result.metrics["grad_norm"] > 0
+    assert {name: getattr(module, name) for name in KERNEL_FUNCTIONS} == installed  # put back after the step
+    with torch_kernels(kernel_bindings(probe)):  # blocks nest: leaving the inner one keeps the outer's
+        with torch_kernels(kernel_bindings(probe)):
+            pass
+        assert all(getattr(module, n) is inspect.unwrap(installed[n]) for n in KERNEL_FUNCTIONS)
+    assert {name: getattr(module, name) for name in KERNEL_FUNCTIONS} == installed
+
+
 def test_auto_trains_on_torch_where_fla_refuses_its_backward(monkeypatch, caplog):
     """fla 0.6 raises in its gated chunk backward with Triton 3.4-3.7.0 on Hopper (its issue #640),
     the H200 image's case: ``auto`` trains on torch and says why, ``fla`` is refused up front."""

@@ -11,10 +11,12 @@ switch per model or per call. Two cases need its pure-torch delta rule instead:
   first step, after the forward had run fine.
 
 ``torch_kernels(kernel_bindings(model))`` rebinds the kernel functions of the model's modeling
-module to the undecorated torch functions they wrap, for the duration of a forward; that forward's
-backward is plain autograd and needs no rebinding. The rebinding is module-wide while it lasts: the engine's
-own hybrid forward (``clawrl.engines.hybrid``) never calls these functions, so serving beside
-training is unaffected.
+module to the undecorated torch functions they wrap while its block runs. The trainer holds it over
+a whole train step, backward included: with ``train.gradient_checkpointing`` the backward runs each
+layer's forward again, and a recomputation on fla's kernels saves other tensors than the forward
+did (torch's checkpoint refuses that; an H100 run found it). Blocks nest (the outermost binds and
+restores). The rebinding is module-wide while it lasts: the engine's own hybrid forward
+(``clawrl.engines.hybrid``) never calls these functions, so serving beside training is unaffected.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import contextlib
 import inspect
 import logging
 import sys
+import threading
 
 import torch
 
@@ -71,14 +74,22 @@ def kernel_bindings(model: torch.nn.Module) -> list[tuple[object, str, object]]:
             for name in KERNEL_FUNCTIONS if hasattr(mod, name)]
 
 
+_held = threading.local()  # how deep in torch_kernels blocks this thread is
+
+
 @contextlib.contextmanager
 def torch_kernels(bindings: list[tuple[object, str, object]]):
     """Run the HF linear-attention layers of ``bindings`` (``kernel_bindings``) on their pure-torch
-    delta rule inside the block."""
+    delta rule inside the block; an inner block changes nothing, so an exit cannot undo an outer one."""
+    depth = getattr(_held, "depth", 0)
+    _held.depth = depth + 1
     try:
-        for mod, name, fn in bindings:
-            setattr(mod, name, inspect.unwrap(fn))
+        if depth == 0:
+            for mod, name, fn in bindings:
+                setattr(mod, name, inspect.unwrap(fn))
         yield
     finally:
-        for mod, name, fn in bindings:
-            setattr(mod, name, fn)
+        _held.depth = depth
+        if depth == 0:
+            for mod, name, fn in bindings:
+                setattr(mod, name, fn)

@@ -108,7 +108,7 @@ class TorchTrainer(Trainer):
         self.hybrid = is_hybrid(model)
         self.linear_kernels = linear_attention.training_kernels(cfg.model.linear_attention, self.device) \
             if self.hybrid else None
-        # HF's kernel functions to rebind during each forward, found once (torch_kernels)
+        # HF's kernel functions to rebind over each train step and forward, found once (torch_kernels)
         self._torch_kernels = linear_attention.kernel_bindings(model) if self.linear_kernels == "torch" else None
         self.packed = False if self.hybrid else packed_attention.enable(model)  # before the reference copy
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
@@ -196,9 +196,7 @@ class TorchTrainer(Trainer):
         row_seq = torch.searchsorted(starts, mb.logit_rows, right=True) - 1
         row_pos = mb.logit_rows - starts[row_seq]
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        kernels = linear_attention.torch_kernels(self._torch_kernels) if self._torch_kernels else \
-            contextlib.nullcontext()
-        with kernels, torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+        with self._linear_kernels(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
             hidden = base.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).last_hidden_state
             logits = base.lm_head(hidden[row_seq, row_pos])
         if bool((mb.temperature != 1.0).any()):
@@ -274,8 +272,14 @@ class TorchTrainer(Trainer):
 
     # ---------------------------------------------------------------- the step
 
+    def _linear_kernels(self):
+        """The pure-torch delta rule for a hybrid's HF layers where ``linear_kernels`` is torch
+        (linear_attention.py), else nothing."""
+        return linear_attention.torch_kernels(self._torch_kernels) if self._torch_kernels else contextlib.nullcontext()
+
     def train_step(self, samples: list[Sample], weight_version: int) -> StepResult:
-        with self._lock:
+        # the kernels held over the backward too: recomputation (gradient checkpointing) runs forwards there
+        with self._lock, self._linear_kernels():
             return self._train_step(samples, weight_version)
 
     def _train_step(self, samples: list[Sample], weight_version: int) -> StepResult:
