@@ -157,6 +157,27 @@ def test_one_pass_logprobs_and_entropy_equal_the_two_functions():
     assert torch.isfinite(logits.grad.float()).all()
 
 
+def test_full_logits_give_logprobs_and_entropy_in_one_pass_and_the_loss_reads_the_same_logprobs(monkeypatch):
+    """``FullLogits.logprobs_and_entropy`` (pi_old and the entropy metric from the loss's forward, in
+    both trainers): one chunked pass over bf16 logits, and ``logprobs`` then returns that tensor
+    rather than passing over the ``[T, V]`` logits again."""
+    from clawrl.losses import token_entropy, token_logprobs
+    from clawrl.trainers import objective
+
+    torch.manual_seed(2)
+    logits = (torch.randn(23, 61) * 2).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 61, (23,))
+    ops = objective.FullLogits(logits, torch.ones(23))
+    lp, entropy = ops.logprobs_and_entropy(targets)
+    monkeypatch.setattr(objective, "token_logprobs", lambda *a, **k: pytest.fail("a second pass over the logits"))
+    assert ops.logprobs(targets) is lp and lp.requires_grad and not entropy.requires_grad
+    torch.testing.assert_close(lp, token_logprobs(logits.detach().float(), targets), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, token_entropy(logits.detach().float()), atol=1e-5, rtol=0)
+    again, entropy_again = ops.logprobs_and_entropy(targets)  # known logprobs: only the entropy is computed
+    assert again is lp
+    torch.testing.assert_close(entropy_again, entropy, atol=1e-5, rtol=0)
+
+
 def test_layers_compiled_whole_take_the_same_step_and_new_lengths_compile_nothing(model_dir):
     """train.compile_scope=layer: the same numbers as eager; and since the packed bounds reach the
     (eager) attention as a tensor, a second step with other lengths and another sample count

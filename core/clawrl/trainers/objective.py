@@ -17,7 +17,7 @@ import torch
 from clawrl.config import ClawrlConfig
 from clawrl.losses import (PolicyLossConfig, aggregate, kl_penalty, policy_loss, token_entropy, token_logprobs,
                            topk_forward_kl, topk_logprobs, topk_reverse_kl, weighted_nll)
-from clawrl.losses.logits import DEFAULT_CHUNK
+from clawrl.losses.logits import DEFAULT_CHUNK, token_logprobs_and_entropy
 from clawrl.trainers.base import TrainerError
 from clawrl.trainers.batching import MicroBatch
 
@@ -32,28 +32,38 @@ class VocabOps(Protocol):
 
     def entropy(self) -> torch.Tensor: ...  # [T]
 
+    def logprobs_and_entropy(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...  # [T], [T]
+
     def topk_logprobs_t1(self, ids: torch.Tensor) -> torch.Tensor: ...  # [T, K] at temperature 1
 
 
 class FullLogits:
     """``VocabOps`` over full ``[T, V]`` logits on one device."""
 
-    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, logprobs: torch.Tensor | None = None):
-        # logprobs: the targets' logprobs when the caller has them already (same graph, not recomputed)
+    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor):
         self.logits, self.temperature = logits, temperature
-        self._memo: tuple[torch.Tensor | None, torch.Tensor | None] = (None, logprobs)  # (targets, logprobs)
+        self._memo: tuple[torch.Tensor, torch.Tensor] | None = None  # (targets, their logprobs)
 
     def logprobs(self, targets: torch.Tensor) -> torch.Tensor:
         """Memoised per ``targets``: pi_old taken from the loss's forward and the loss itself read the
         same tensor, and the pass over the ``[T, V]`` logits runs once."""
-        seen, lp = self._memo
-        if lp is None or (seen is not None and seen is not targets):
-            lp = token_logprobs(self.logits, targets, chunk_size=DEFAULT_CHUNK)
-            self._memo = (targets, lp)
-        return lp
+        if self._memo is None or self._memo[0] is not targets:
+            self._memo = (targets, token_logprobs(self.logits, targets, chunk_size=DEFAULT_CHUNK))
+        return self._memo[1]
 
     def entropy(self) -> torch.Tensor:
         return token_entropy(self.logits, chunk_size=DEFAULT_CHUNK)
+
+    def logprobs_and_entropy(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logprobs(targets)`` (memoised, with its gradient) and the detached entropy from one pass
+        over the ``[T, V]`` logits where the logprobs are not known yet: a second pass at 16k tokens of
+        a 150k vocabulary is milliseconds and gigabytes of chunk buffers."""
+        if self._memo is not None and self._memo[0] is targets:
+            with torch.no_grad():
+                return self._memo[1], self.entropy()
+        lp, entropy = token_logprobs_and_entropy(self.logits, targets, DEFAULT_CHUNK)
+        self._memo = (targets, lp)
+        return lp, entropy
 
     def topk_logprobs_t1(self, ids: torch.Tensor) -> torch.Tensor:
         # the teacher's top-k is at temperature 1: undo the sample's temperature

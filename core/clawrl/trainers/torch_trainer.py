@@ -54,7 +54,7 @@ from clawrl.config import ClawrlConfig
 from clawrl.engines.hybrid import is_hybrid
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
 from clawrl.losses import aggregation_denominator, token_entropy, token_logprobs
-from clawrl.losses.logits import DEFAULT_CHUNK, token_logprobs_and_entropy
+from clawrl.losses.logits import DEFAULT_CHUNK
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
@@ -322,14 +322,13 @@ class TorchTrainer(Trainer):
         self._zero_grad()
         stats = StepStats()
         for mb, old, ref in zip(batches, olds, refs):
-            logits = self._logits(self.model, mb)
-            lp = None
-            if old is None:  # pi_old is this forward's own logprobs, detached
-                lp, entropy = token_logprobs_and_entropy(logits, mb.targets, DEFAULT_CHUNK)
+            ops = FullLogits(self._logits(self.model, mb), mb.temperature)
+            if old is None:  # pi_old is this forward's own logprobs, detached (the loss reads the same ones)
+                lp, entropy = ops.logprobs_and_entropy(mb.targets)
                 old = lp.detach()
                 entropy_sum += float((entropy * mb.loss_mask).sum())
                 gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
-            loss, sums = self.objective.loss(FullLogits(logits, mb.temperature, lp), mb, old, ref, denominator)
+            loss, sums = self.objective.loss(ops, mb, old, ref, denominator)
             if not torch.isfinite(loss):
                 return self._skip(metrics, "nonfinite_loss")
             loss.backward()

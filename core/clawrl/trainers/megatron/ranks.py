@@ -69,6 +69,12 @@ class ShardLogits:
     def entropy(self) -> torch.Tensor:
         return vocab_parallel_token_entropy(self.logits, self.group)
 
+    def logprobs_and_entropy(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two passes over the shard (the vocabulary-parallel functions are separate), entropy detached."""
+        with torch.no_grad():
+            entropy = self.entropy()
+        return self.logprobs(targets), entropy
+
     def topk_logprobs_t1(self, ids: torch.Tensor) -> torch.Tensor:
         unscaled = self.logits * self.temperature.to(self.logits.dtype)[:, None]
         return vocab_parallel_topk_logprobs(unscaled, ids, self.vocab_start, self.group)
@@ -304,10 +310,10 @@ class MegatronRanks:
         # pi_old (and the reference) on the last stage, before any gradient: from their own no-grad
         # pass, or (pi_old_from_loss_forward) from the loss's forward of each micro-batch below.
         def old_info(ops: VocabOps, mb: MicroBatch) -> dict:
-            old = ops.logprobs(mb.targets).detach()
-            with torch.no_grad():
-                return {"old": old, "entropy_sum": float((ops.entropy() * mb.loss_mask).sum()),
-                        "gap": float(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())}
+            lp, entropy = ops.logprobs_and_entropy(mb.targets)
+            old = lp.detach()
+            return {"old": old, "entropy_sum": float((entropy * mb.loss_mask).sum()),
+                    "gap": float(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())}
 
         old_infos: list[dict] = []
         self.model.eval()
