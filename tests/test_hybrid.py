@@ -50,9 +50,10 @@ def hf_greedy(model, prompt, n):
     return ids[len(prompt):]
 
 
-def engine_run(lm, fn, **cfg):
+def engine_run(lm, fn, engine: dict | None = None, **cfg):
+    """``fn(engine)`` on a started TorchEngine (pure-torch kernels; ``engine``: its other arguments)."""
     async def main():
-        eng = TorchEngine(lm, EngineConfig(**cfg), linear_attention="torch")
+        eng = TorchEngine(lm, EngineConfig(**cfg), linear_attention="torch", **(engine or {}))
         await eng.start()
         try:
             return await fn(eng)

@@ -11,7 +11,6 @@ import asyncio
 import pytest
 import torch
 
-from clawrl.config import EngineConfig
 from clawrl.engines.base import SamplingParams
 from clawrl.engines.hybrid import HybridForward
 from clawrl.engines.loading import load_model
@@ -19,6 +18,7 @@ from clawrl.engines.ragged import Segment
 from clawrl.engines.static_decode import HybridStep, StaticDecoder
 from clawrl.engines.torch_engine import TorchEngine
 from hybrid_testing import HYBRID_ARCHS, make_hybrid_dir
+from test_hybrid import engine_run as hybrid_engine_run
 from test_hybrid import hf_greedy, ids_of
 
 CAPACITY = 256
@@ -39,16 +39,10 @@ def loaded(dirs):
 
 def engine_run(lm, fn, static: bool, **cfg):
     """``fn(engine)`` on a TorchEngine with the static decoder forced on (CAPACITY tokens a slot) or off."""
-    async def main():
-        eng = TorchEngine(lm, EngineConfig(**cfg), static_decode=static, static_capacity=CAPACITY,
-                          linear_attention="torch")
+    async def checked(eng):
         assert (eng.decoder is not None) == static
-        await eng.start()
-        try:
-            return await fn(eng)
-        finally:
-            await eng.shutdown()
-    return asyncio.run(main())
+        return await fn(eng)
+    return hybrid_engine_run(lm, checked, {"static_decode": static, "static_capacity": CAPACITY}, **cfg)
 
 
 def count_admissions(eng: TorchEngine) -> list:

@@ -339,6 +339,14 @@ class KVArena:
         return o.reshape(b, hq * d)
 
 
+def step_inputs(runner, arena: KVArena, ids: torch.Tensor, pos: torch.Tensor, w: int):
+    """What every layer of a decode step reads: the tokens' embeddings, their rotary tables and the
+    attention mask of width ``w`` (made once per step)."""
+    x = runner.inner.embed_tokens(ids)
+    cos, sin = runner.rope_tables(x, pos)
+    return x, cos, sin, arena.mask(pos, w, x.dtype)
+
+
 class AttentionStep:
     """The decode step of Llama-family models (``RaggedForward``): every layer attends, so a slot's
     state is its K/V alone."""
@@ -372,9 +380,7 @@ class AttentionStep:
         mask is made once per step."""
         r = self.runner
         inner = r.inner
-        x = inner.embed_tokens(ids)
-        cos, sin = r.rope_tables(x, pos)
-        mask = self.arena.mask(pos, w, x.dtype)
+        x, cos, sin, mask = step_inputs(r, self.arena, ids, pos, w)
         for li, layer in enumerate(inner.layers):
             q, k, v = r.qkv(li, rms_norm(layer.input_layernorm, x), cos, sin)
             o = self.arena.attend(li, q, k, v, pos, rows, w, mask, r.scaling)
@@ -431,9 +437,7 @@ class HybridStep:
         linear layers' states of slots ``[0, b)``. HybridForward.forward's layer loop, on the arena."""
         r = self.runner
         inner = r.inner
-        x = inner.embed_tokens(ids)
-        cos, sin = r.rope_tables(x, pos)
-        mask = self.arena.mask(pos, w, x.dtype)
+        x, cos, sin, mask = step_inputs(r, self.arena, ids, pos, w)
         for li, layer in enumerate(inner.layers):
             h = layer.input_layernorm(x)
             if li in r.linear_index:
