@@ -70,6 +70,16 @@ class FullLogits:
         return topk_logprobs(self.logits * self.temperature.to(self.logits.dtype)[:, None], ids)
 
 
+def pi_old(ops: VocabOps, mb: MicroBatch) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """pi_old's logprobs of ``mb``'s response tokens (detached), the sum of the trained tokens'
+    entropies, and the largest gap to the rollout's logprobs (a device scalar, read once per step),
+    from one pass over the logits: what both trainers take before the loss, from a no-grad forward
+    or the loss's own."""
+    lp, entropy = ops.logprobs_and_entropy(mb.targets)
+    old = lp.detach()
+    return old, float((entropy * mb.loss_mask).sum()), ((old - mb.rollout_logprobs).abs() * mb.loss_mask).max()
+
+
 class Objective:
     """One run's objective, from ``cfg.train`` and ``cfg.opd``'s top-k settings. ``topk``: K of the
     teacher's top-k the micro-batches carry (``Method.topk``; 0: no top-k distillation term)."""

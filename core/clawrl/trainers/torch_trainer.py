@@ -53,7 +53,7 @@ import torch
 from clawrl.config import ClawrlConfig
 from clawrl.engines.hybrid import is_hybrid
 from clawrl.engines.loading import load_model, resolve_device, resolve_dtype
-from clawrl.losses import aggregation_denominator, token_entropy, token_logprobs
+from clawrl.losses import aggregation_denominator, token_logprobs
 from clawrl.losses.logits import DEFAULT_CHUNK
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
@@ -62,7 +62,7 @@ from clawrl.trainers import compiled_layers, linear_attention, packed_attention
 from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
                                      trained_mask)
 from clawrl.trainers.master_weights import MasterWeights
-from clawrl.trainers.objective import FullLogits, Objective, StepStats
+from clawrl.trainers.objective import FullLogits, Objective, StepStats, pi_old
 from clawrl.trainers.replay import attach_replays
 
 log = logging.getLogger(__name__)
@@ -311,11 +311,10 @@ class TorchTrainer(Trainer):
             self.model.eval()
             with torch.no_grad():
                 for i, mb in enumerate(batches):
-                    logits = self._logits(self.model, mb)
-                    olds[i], entropy = self._old_and_entropy(logits, mb)
+                    olds[i], entropy, gap = pi_old(FullLogits(self._logits(self.model, mb), mb.temperature), mb)
                     entropy_sum += entropy
+                    gaps.append(gap)
                     refs[i] = self._reference_logprobs(mb) if self.objective.needs_reference else None
-                    gaps.append(((olds[i] - mb.rollout_logprobs).abs() * mb.loss_mask).max())
         trained = float(sum(float(mb.loss_mask.sum()) for mb in batches))
 
         self.model.train()
@@ -324,10 +323,9 @@ class TorchTrainer(Trainer):
         for mb, old, ref in zip(batches, olds, refs):
             ops = FullLogits(self._logits(self.model, mb), mb.temperature)
             if old is None:  # pi_old is this forward's own logprobs, detached (the loss reads the same ones)
-                lp, entropy = ops.logprobs_and_entropy(mb.targets)
-                old = lp.detach()
-                entropy_sum += float((entropy * mb.loss_mask).sum())
-                gaps.append(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())
+                old, entropy, gap = pi_old(ops, mb)
+                entropy_sum += entropy
+                gaps.append(gap)
             loss, sums = self.objective.loss(ops, mb, old, ref, denominator)
             if not torch.isfinite(loss):
                 return self._skip(metrics, "nonfinite_loss")
@@ -354,12 +352,6 @@ class TorchTrainer(Trainer):
         metrics.update(step=self.step, lr=self.optimizer.param_groups[0]["lr"],
                        step_seconds=time.perf_counter() - started)
         return StepResult(True, metrics, None)
-
-    @staticmethod
-    def _old_and_entropy(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, float]:
-        """pi_old's logprobs of the response tokens, and the sum of the trained tokens' entropies."""
-        return (token_logprobs(logits, mb.targets, chunk_size=DEFAULT_CHUNK),
-                float((token_entropy(logits, chunk_size=DEFAULT_CHUNK) * mb.loss_mask).sum()))
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

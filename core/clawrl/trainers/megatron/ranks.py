@@ -44,7 +44,7 @@ from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sampl
 from clawrl.trainers import compiled_layers
 from clawrl.trainers.megatron import convert
 from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
-from clawrl.trainers.objective import FullLogits, Objective, StepStats, VocabOps
+from clawrl.trainers.objective import FullLogits, Objective, StepStats, VocabOps, pi_old
 
 log = logging.getLogger(__name__)
 # megatron-core warns once per import, in every rank, that apex/transformer-engine are missing; the
@@ -310,10 +310,8 @@ class MegatronRanks:
         # pi_old (and the reference) on the last stage, before any gradient: from their own no-grad
         # pass, or (pi_old_from_loss_forward) from the loss's forward of each micro-batch below.
         def old_info(ops: VocabOps, mb: MicroBatch) -> dict:
-            lp, entropy = ops.logprobs_and_entropy(mb.targets)
-            old = lp.detach()
-            return {"old": old, "entropy_sum": float((entropy * mb.loss_mask).sum()),
-                    "gap": float(((old - mb.rollout_logprobs).abs() * mb.loss_mask).max())}
+            old, entropy_sum, gap = pi_old(ops, mb)
+            return {"old": old, "entropy_sum": entropy_sum, "gap": float(gap)}
 
         old_infos: list[dict] = []
         self.model.eval()
