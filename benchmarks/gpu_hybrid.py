@@ -167,9 +167,10 @@ def train_figures(model_dir: str, device: str, batch, seq: int, steps: int) -> d
 def run_hybrid(build_attention, shape: str, device: str, repeat: int, save_tokenizer) -> dict:
     """The hybrid part's figures: ``build_attention(shape, device)`` makes the suite's attention-only
     model; ``save_tokenizer(dir)`` writes a tokenizer beside saved weights (the trainer loads one)."""
+    from gpu_train import sequences_that_fit
+
     streams, prompt_len, new, prefill, (batch, seq, steps) = HYBRID_SIZES[shape]
-    if device == "cuda" and torch.cuda.get_device_properties(0).total_memory < 100 * 2 ** 30:
-        batch //= 2  # the 1.7B attention model's 8 x 2048 step peaks at 72 GiB compiled: an 80 GB card takes 4
+    batch = sequences_that_fit(batch, device)
     out = {"hybrid_shape": HYBRID_SHAPES[shape], "streams": list(streams), "prompt_tokens": prompt_len,
            "new_tokens": new, "prefill_tokens": prefill, "train_sequences": batch, "train_seq_len": seq,
            "train_overrides": TRAIN_OVERRIDES}

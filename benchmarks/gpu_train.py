@@ -195,13 +195,21 @@ def variants(tokens: int) -> list[tuple[str, list[str]]]:
             ("compiled_layer", ["train.compile=on", "train.compile_scope=layer"])]
 
 
+def sequences_that_fit(batch: int, device: str) -> int:
+    """Sequences a step at 2048 tokens for this card: half of ``batch`` under 100 GiB (an H100). At the
+    1.7B shape the eager 8 x 2048 step peaks at 89 GiB, megatron's at 110, and a hybrid's did not fit
+    4 x 2048 in 80 GB without recomputation; the hybrid part halves its batch here too."""
+    if device == "cuda" and torch.cuda.get_device_properties(0).total_memory < 100 * 2 ** 30:
+        return batch // 2
+    return batch
+
+
 def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[str] | None = None) -> dict:
     """The train part's figures (``build_model(shape, device)`` makes the probe's model;
     ``save_tokenizer(dir)`` writes a tokenizer beside the saved weights). ``only`` names the torch
     variants to measure (all when None; "default" is always measured, since the ratios need it)."""
     batch, seq, steps = TRAIN_SIZES[shape]
-    if device == "cuda" and torch.cuda.get_device_properties(0).total_memory < 100 * 2 ** 30:
-        batch //= 2  # the eager 8 x 2048 step peaks at 89 GiB and megatron's at 110: an 80 GB card takes 4
+    batch = sequences_that_fit(batch, device)
     ceiling = matmul_tflops(device)
     model = build_model(shape, device)
     cfg = model.config
