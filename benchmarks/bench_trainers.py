@@ -4,7 +4,7 @@ Writes a random-weight model from an HF config (``--preset``: ``tiny`` for CPU s
 ``qwen3-0.6b`` or ``qwen3-1.7b`` shapes for a GPU), builds one batch of synthetic samples, and
 times ``--steps`` train steps of each backend after one warm-up step. The megatron side runs as
 one local rank (``torch.distributed`` world of 1: NCCL on a GPU, gloo on CPU) with
-``cluster.tp=1``; the torch side is the built-in trainer (bf16 autocast on a GPU). Prints
+``cluster.tp=1``; the torch side is the built-in trainer with its defaults (both through gpu_train.py). Prints
 tokens/s for each and the ratio megatron / torch.
 
     python benchmarks/bench_trainers.py --preset qwen3-0.6b --samples 16 --prompt 512 --response 256
@@ -12,13 +12,15 @@ tokens/s for each and the ratio megatron / torch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_train, beside this file
 
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -46,53 +48,6 @@ def write_model(out: Path, preset: str) -> Path:
     return out
 
 
-def batch(vocab: int, n: int, prompt: int, response: int):
-    from clawrl.trainers.megatron.parity import synthetic_batch
-
-    samples = synthetic_batch(vocab, n=n, seed=0, max_len=8, pad_id=0)
-    import random
-
-    rng = random.Random(1)
-    for s in samples:
-        s.prompt_ids = [rng.randrange(1, vocab) for _ in range(prompt)]
-        s.response_ids = [rng.randrange(1, vocab) for _ in range(response)]
-        s.rollout_logprobs = [-1.0] * response
-        s.weight_versions = [0] * response
-        s.extra = {}
-    return samples
-
-
-def timed(step, samples, steps: int) -> float:
-    step(samples)  # warm-up: allocations, kernels
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(steps):
-        step(samples)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - started) / steps
-
-
-def _megatron_rank(rank: int, cfg, model_dir: str, samples, steps: int, out: str, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    from clawrl.trainers.megatron.ranks import MegatronRanks
-
-    ranks = MegatronRanks(cfg, model_dir)
-
-    def step(batch_):
-        result = ranks.train_step(batch_, ranks.step)
-        assert result["ok"], result
-    seconds = timed(step, samples, steps)
-    mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-    Path(out).write_text(json.dumps({"seconds": seconds, "max_mem_gib": mem}))
-    dist.destroy_process_group()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -103,42 +58,28 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     args = ap.parse_args()
 
-    import torch.multiprocessing as mp
-
-    from clawrl.config import compose
-    from clawrl.trainers.megatron.parity import free_port
-    from clawrl.trainers.torch_trainer import TorchTrainer
+    from gpu_train import clawrl_steps, megatron_steps, samples as rl_samples
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    overrides = [f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.tis_cap=null"]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_model(Path(tmp) / "model", args.preset))
-        cfg = compose([f"model.path={model_dir}", f"model.device={device}",
-                       f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.lr=1e-6", "train.tis_cap=null"])
-        samples = batch(PRESETS[args.preset]["vocab_size"], args.samples, args.prompt, args.response)
+        samples = rl_samples(PRESETS[args.preset]["vocab_size"], args.samples, args.prompt + args.response, args.prompt)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-
-        out = Path(tmp) / "megatron.json"
-        mp.start_processes(_megatron_rank, args=(cfg, model_dir, samples, args.steps, str(out), free_port()),
-                           nprocs=1, join=True, start_method="spawn")
-        meg = json.loads(out.read_text())
-
-        trainer = TorchTrainer(cfg, model_dir)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-
-        def torch_step(batch_):
-            result = trainer.train_step(batch_, trainer.step)
-            assert result.ok, result
-        torch_s = timed(torch_step, samples, args.steps)
-        torch_mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+        meg = megatron_steps(model_dir, device, samples, args.steps, tuple(overrides))
+        if "skipped" in meg:
+            raise SystemExit(f"megatron backend: {meg['skipped']}")
+        meg_s = statistics.median(meg["runs_s"])
+        times, info = clawrl_steps(model_dir, device, samples, args.steps, overrides)
+        torch_s = statistics.median(times)
 
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"{args.preset} on {name}: {args.samples} samples x ({args.prompt} + {args.response}) tokens = "
           f"{tokens} tokens per step, {args.steps} timed steps")
-    print(f"torch backend:    {tokens / torch_s:10.0f} tokens/s  ({torch_s:.3f} s/step, peak {torch_mem:.1f} GiB)")
-    print(f"megatron backend: {tokens / meg['seconds']:10.0f} tokens/s  ({meg['seconds']:.3f} s/step, "
-          f"peak {meg['max_mem_gib']:.1f} GiB)")
-    print(f"ratio megatron / torch: {torch_s / meg['seconds']:.2f}")
+    print(f"torch backend:    {tokens / torch_s:10.0f} tokens/s  ({torch_s:.3f} s/step, "
+          f"peak {info['peak_mem_gib']:.1f} GiB)")
+    print(f"megatron backend: {tokens / meg_s:10.0f} tokens/s  ({meg_s:.3f} s/step, peak {meg['peak_mem_gib']:.1f} GiB)")
+    print(f"ratio megatron / torch: {torch_s / meg_s:.2f}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from gpu_models import hf_decode, random_model, served, sync
+
 # Qwen3-Next's layout at about the size of each attention-only shape of the suite.
 HYBRID_SHAPES = {
     "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=28,
@@ -53,47 +55,16 @@ HYBRID_SIZES = {
 }
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def build_hybrid(shape: str, device: str):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    dims = HYBRID_SHAPES[shape]
-    layers = dims["num_hidden_layers"]
-    cfg = Qwen3NextConfig(**dims, num_experts=0, max_position_embeddings=8192, tie_word_embeddings=True,
+    layers = HYBRID_SHAPES[shape]["num_hidden_layers"]
+    cfg = Qwen3NextConfig(**HYBRID_SHAPES[shape], num_experts=0, max_position_embeddings=8192, tie_word_embeddings=True,
                           layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                            "partial_rotary_factor": 0.25},
                           attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3NextForCausalLM(cfg)
-    if device == "cuda":
-        model = model.to(torch.bfloat16)
-    return model.eval()
-
-
-def served(model, name: str):
-    from clawrl.engines.loading import LoadedModel
-
-    p = next(model.parameters())
-    return LoadedModel(model=model, tokenizer=None, name=name, path="(random weights)",
-                       architecture=type(model).__name__, max_context=32768, eos_token_ids=[], device=p.device,
-                       dtype=p.dtype)
-
-
-def hf_decode(model, prompt: torch.Tensor, new: int) -> float:
-    sync()
-    t = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0,
-                             top_k=0)
-    sync()
-    assert out.shape[1] == prompt.shape[1] + new
-    return prompt.shape[0] * new / (time.perf_counter() - t)
+    return random_model(Qwen3NextForCausalLM, cfg, device)
 
 
 async def engine_figures(model, name: str, streams, prompt_len: int, new: int, prefill: int, repeat: int) -> dict:

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     model = suite.build_model(shape, device)
     tok = suite.chat_tokenizer(args.tokenizer, work)
     suite.speak_tokenizer(model, min(len(tok), model.config.vocab_size))
-    lm = LoadedModel(**{**vars(suite.loaded_model(model, shape)), "tokenizer": tok,
+    lm = LoadedModel(**{**vars(suite.served(model, shape)), "tokenizer": tok,
                         "eos_token_ids": [tok.convert_tokens_to_ids("<|im_end|>")]})
 
     async def run() -> dict:

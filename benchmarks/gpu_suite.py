@@ -82,6 +82,7 @@ from clawrl.store import TurnStore
 ROOT = Path(__file__).resolve().parents[1]
 if str(Path(__file__).parent) not in sys.path:  # gpu_train, gpu_sync, gpu_staleness beside it, also when loaded by path
     sys.path.insert(0, str(Path(__file__).parent))
+from gpu_models import hf_decode, random_model, served, sync  # noqa: E402 (beside this file)
 CLIENT = Path(__file__).with_name("gpu_serving_client.py")
 FIXTURE = ROOT / "tests" / "fixtures" / "openclaw-2026.9.6" / "chat_turn1.json"
 
@@ -110,41 +111,11 @@ SERVING = {
 
 def build_model(shape: str, device: str) -> Qwen3ForCausalLM:
     """The model as gpu_baselines.py builds it (on CPU: fp32, since that is what CPUs run)."""
-    cfg = Qwen3Config(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=True,
-                      attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg)
-    if device == "cuda":
-        model = model.to(torch.bfloat16)
-    return model.eval()
-
-
-def loaded_model(model, shape: str) -> LoadedModel:
-    p = next(model.parameters())
-    return LoadedModel(model=model, tokenizer=None, name=shape, path="(random weights)",
-                       architecture="Qwen3ForCausalLM", max_context=32768, eos_token_ids=[], device=p.device,
-                       dtype=p.dtype)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    return random_model(Qwen3ForCausalLM, Qwen3Config(**SHAPES[shape], max_position_embeddings=8192,
+                                                      tie_word_embeddings=True, attn_implementation="sdpa"), device)
 
 
 # ---------------------------------------------------------------- decode
-
-def hf_decode(model, prompt: torch.Tensor, new: int) -> float:
-    sync()
-    t = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0,
-                             top_k=0)
-    sync()
-    dt = time.perf_counter() - t
-    assert out.shape[1] == prompt.shape[1] + new
-    return prompt.shape[0] * new / dt
-
 
 async def clawrl_decode(eng: TorchEngine, prompts: list[list[int]], new: int, greedy: bool) -> float:
     params = SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0, top_k=0, top_p=1.0,
@@ -606,7 +577,7 @@ def main(argv=None) -> int:
     if args.part in ("sync", "all"):
         from gpu_sync import run_sync
 
-        sync_figures = run_sync(build_model, shape, device, args.repeat, serve=lambda m: loaded_model(m, shape))
+        sync_figures = run_sync(build_model, shape, device, args.repeat, serve=lambda m: served(m, shape))
         results["sync"] = {**sync_figures, **stamp, "shape": shape}
     if args.part == "staleness":  # not in "all": two servers for a minute and a half each
         from gpu_staleness import run_staleness
@@ -621,7 +592,7 @@ def main(argv=None) -> int:
     if args.part in ("train", "sync", "staleness", "hybrid"):
         return write_results(out, results, stamp, shape, t0)
     model = build_model(shape, device)
-    lm = loaded_model(model, shape)
+    lm = served(model, shape)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters on "
           f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}, {lm.dtype}; torch {torch.__version__}",
           flush=True)

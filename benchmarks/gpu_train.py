@@ -29,14 +29,11 @@ from pathlib import Path
 
 import torch
 
+from gpu_models import sync
+
 # Per shape: sequences per step, tokens per sequence, timed steps (the probe's 8 x 2048, 5).
 TRAIN_SIZES = {"qwen3-1.7b": (8, 2048, 5), "qwen3-0.6b": (8, 2048, 5), "tiny": (4, 64, 2)}
 PROMPT = 16  # prompt tokens of each clawrl sample; the rest of the sequence is the trained response
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def matmul_tflops(device: str) -> float:
@@ -92,14 +89,16 @@ def hf_loop(model, vocab: int, batch: int, seq: int, steps: int, device: str) ->
     return times
 
 
-def samples(vocab: int, batch: int, seq: int):
+def samples(vocab: int, batch: int, seq: int, prompt: int = PROMPT):
+    """``batch`` RL samples of ``seq`` random tokens, the first ``prompt`` of them the prompt; advantages
+    alternate between +1 and -1, and every rollout logprob is -12 (so TIS and the gap metrics run)."""
     from clawrl.samples import Sample
 
     rng = random.Random(1)
     out = []
     for i in range(batch):
-        response = seq - PROMPT
-        out.append(Sample(sample_id=i, turn_id=i, group_id="g", prompt_ids=[rng.randrange(1, vocab) for _ in range(PROMPT)],
+        response = seq - prompt
+        out.append(Sample(sample_id=i, turn_id=i, group_id="g", prompt_ids=[rng.randrange(1, vocab) for _ in range(prompt)],
                           response_ids=[rng.randrange(1, vocab) for _ in range(response)],
                           rollout_logprobs=[-12.0] * response, weight_versions=[0] * response,
                           reward=1.0 if i % 2 else -1.0, advantage=1.0 if i % 2 else -1.0))
