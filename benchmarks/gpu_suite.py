@@ -512,7 +512,7 @@ def table(results: dict) -> str:
             name = "clawrl torch trainer" + ("" if key == "torch" else f", {' '.join(d['overrides'])}")
             lines.append(f"| {name} | {d['tok_s']:.0f} | {d['mfu']:.1%} | {d['ratio_to_hf']:.2f} "
                          f"| {d['peak_mem_gib']:.1f} |")
-        for key in ("megatron", "megatron_compiled"):
+        for key in ("megatron", "megatron_eager"):
             meg = train.get(key, {})
             if "tok_s" in meg:
                 name = "clawrl megatron backend" + (f", {' '.join(meg['overrides'])}" if meg["overrides"] else "")
@@ -549,7 +549,7 @@ def main(argv=None) -> int:
                     help="engine.decode_attention; decode figures of another than the default (sdpa) go under "
                          "decode_<name>")
     ap.add_argument("--train-variants", default=None,
-                    help="comma-separated trainer variants for --part train, megatron_compiled among them "
+                    help="comma-separated trainer variants for --part train, megatron_eager among them "
                          "(default: all; 'default' is always measured)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"

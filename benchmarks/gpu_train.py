@@ -190,7 +190,7 @@ def variants(tokens: int) -> list[tuple[str, list[str]]]:
     return [("default", []), ("gradient_checkpointing", ["train.gradient_checkpointing=true"]),
             ("two_micro_batches", [f"train.micro_batch_tokens={tokens // 2}"]),
             ("float32_params_autocast", ["train.param_dtype=float32"]),
-            ("compiled", ["train.compile=on"]), ("eager", ["train.compile=off"]),
+            ("eager", ["train.compile=off"]), ("compiled_parts", ["train.compile=on", "train.compile_scope=parts"]),
             ("compiled_layer", ["train.compile=on", "train.compile_scope=layer"])]
 
 
@@ -246,8 +246,8 @@ def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[s
                 "overrides": overrides, "runs_s": times, **info}
             print(f"train {name:>24}: {tokens / s:9.0f} tok/s, MFU {flops / s / 1e12 / ceiling:.1%}, "
                   f"{hf / s:.2f}x HF ({info})", flush=True)
-        # megatron's default, and (a variant like the torch ones) train.compile=on, which its auto leaves off
-        for name, overrides in (("megatron", ()), ("megatron_compiled", ("train.compile=on",))):
+        # megatron's default (compiled on a GPU, eager on CPU), and (a variant like the torch ones) eager
+        for name, overrides in (("megatron", ()), ("megatron_eager", ("train.compile=off",))):
             if only is not None and name != "megatron" and name not in only:
                 continue
             meg = megatron_steps(str(model_dir), device, data, steps, overrides)

@@ -1,9 +1,10 @@
 """Where one train step of the torch trainer spends its GPU time (the figures behind BENCHMARKS.md's
 "GPU training" breakdown): the train part's model and samples (``gpu_train.py``), one profiled step
 after warm-up, kernels grouped into matmuls, attention, the optimizer and the rest, and the 20
-costliest kernels, for each setting given (``layer``: ``train.compile=on`` with ``compile_scope=layer``).
+costliest kernels, for each setting given (``parts`` and ``layer``: ``train.compile=on`` with that
+``train.compile_scope``).
 
-    python benchmarks/gpu_train_profile.py [--shape qwen3-1.7b] [--compile off on layer]
+    python benchmarks/gpu_train_profile.py [--shape qwen3-1.7b] [--compile off parts layer]
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def profile_step(trainer, batch: list) -> list[tuple[str, float, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-1.7b")
-    ap.add_argument("--compile", nargs="+", default=["off", "on"], choices=("off", "on", "layer"))
+    ap.add_argument("--compile", nargs="+", default=["off", "layer"], choices=("off", "parts", "layer"))
     args = ap.parse_args()
     suite, train = _load("gpu_suite"), _load("gpu_train")
     from clawrl.config import compose
@@ -70,8 +71,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         batch = train.samples(vocab, batch_n, seq)
         for mode in args.compile:
-            setting = (["train.compile=on", "train.compile_scope=layer"] if mode == "layer"
-                       else [f"train.compile={mode}"])
+            setting = ["train.compile=off"] if mode == "off" else ["train.compile=on", f"train.compile_scope={mode}"]
             trainer = TorchTrainer(compose([f"model.path={tmp}", "model.device=cuda", "train.lr=1e-6", *setting]), tmp)
             kernels = profile_step(trainer, batch)
             del trainer

@@ -13,6 +13,7 @@ import torch
 
 from clawrl.engines.delta_rule import DeltaRuleUnavailable
 from clawrl.engines.loading import load_model
+from engine_testing import make_model_dir
 from hybrid_testing import HYBRID_ARCHS, make_hybrid_dir
 from test_opd_training import combine_batch, with_teacher
 from test_trainer import make_samples, on_policy, trainer_for
@@ -100,6 +101,16 @@ def test_combine_with_lora_trains_adapters_and_exports_the_merged_model(dirs, ar
     trainer.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(served(ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_compile_scope_auto_compiles_a_hybrid_by_parts_and_an_attention_model_whole(dirs, tmp_path):
+    """train.compile_scope=auto (the default): a hybrid's layers are compiled by parts, since its
+    pure-torch delta rule loops over chunks that a whole-layer graph would unroll; the attention-only
+    model gets each layer compiled whole (the scope measured fastest on the GPU)."""
+    hybrid = trainer_for(dirs["qwen3_next"], "train.compile=on")
+    assert hybrid.hybrid and 0 < hybrid.compiled != hybrid.model.config.num_hidden_layers
+    dense = trainer_for(make_model_dir(tmp_path / "dense", "qwen3", seed=0), "train.compile=on")
+    assert not dense.hybrid and dense.compiled == dense.model.config.num_hidden_layers
 
 
 def test_fla_kernels_asked_for_on_cpu_are_refused(dirs):

@@ -98,7 +98,7 @@ def test_pipeline_parallel_2_with_activation_recomputation_matches_the_torch_bac
 def test_train_compile_on_compiles_the_megatron_layers_norms_and_mlp_with_parity(tiny_model_dir):
     """train.compile=on (inductor on CPU here): both backends compile each layer's two norms, q/k
     norms and MLP, and still agree; megatron refuses to compile layers whole."""
-    report = _check(tiny_model_dir, "train.compile=on", "cluster.tp=2")
+    report = _check(tiny_model_dir, "train.compile=on", "train.compile_scope=parts", "cluster.tp=2")
     assert report.ok, report.lines()
     assert report.compiled == (10, 10)  # the tiny model's 2 layers, 5 parts each
     assert "compiled   torch 10 modules, megatron 10" in report.lines()

@@ -203,14 +203,16 @@ def test_layers_compiled_whole_take_the_same_step_and_new_lengths_compile_nothin
 
 
 def test_compiled_norms_and_mlp_take_the_same_step(model_dir):
-    """train.compile=on (inductor on CPU here) changes no number beyond float rounding; the parts are
-    compiled in place, so parameter names and the exported weights stay the plain model's."""
+    """train.compile=on with train.compile_scope=parts (inductor on CPU here) changes no number beyond
+    float rounding; the parts are compiled in place, so parameter names and the exported weights stay
+    the plain model's."""
     from clawrl.trainers import compiled_layers
 
     samples = make_samples(400, n=4, seed=10)
     results, weights, after = {}, {}, {}
     for mode in ("off", "on"):
-        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.micro_batch_tokens=30", f"train.compile={mode}")
+        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.micro_batch_tokens=30", f"train.compile={mode}",
+                              "train.compile_scope=parts")
         layers = trainer.model.config.num_hidden_layers
         assert trainer.compiled == (0 if mode == "off" else 5 * layers)  # two norms, MLP, q/k norms (Qwen3)
         on_policy(trainer, samples)

@@ -190,15 +190,16 @@ class TrainConfig:
                                      "forward/backward.", ge=1)
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass: less memory, "
                                           "slower steps.")
-    compile: str = option("auto", "torch.compile each decoder layer's norms and MLP (fused elementwise kernels; "
-                          "the first steps compile): on | off | auto (the torch trainer on a GPU only: 1.27x the "
-                          "eager step on the Qwen3-1.7B shape, BENCHMARKS.md; the megatron backend compiles "
-                          "only with on, not yet measured on a GPU).",
+    compile: str = option("auto", "torch.compile each decoder layer's elementwise work (fused kernels; the first "
+                          "steps compile): on | off | auto (on a GPU only, where both backends measured faster "
+                          "compiled on the Qwen3-1.7B shape, BENCHMARKS.md; CPU runs stay eager).",
                           choices=("off", "on", "auto"))
-    compile_scope: str = option("parts", "What train.compile compiles: parts (each decoder layer's norms and MLP, "
-                                "the measured default) | layer (each decoder layer whole, fusing rotary and the "
-                                "residual adds too; attention stays eager; not yet measured on a GPU).",
-                                choices=("parts", "layer"))
+    compile_scope: str = option("auto", "What train.compile compiles in the torch trainer: parts (each decoder "
+                                "layer's norms and MLP) | layer (each decoder layer whole, fusing rotary and the "
+                                "residual adds too; attention stays eager; 1.38x the HF loop against parts' 1.25x "
+                                "on one H200) | auto (layer, but parts for a hybrid linear-attention model). The "
+                                "megatron backend compiles parts.",
+                                choices=("auto", "parts", "layer"))
     param_dtype: str = option("auto", "Torch trainer's parameters: bfloat16 (bf16 weights, float32 master weights, "
                               "gradients and AdamW state) | float32 (float32 weights, bf16 autocast on a GPU) | "
                               "auto (bfloat16 on a GPU, float32 on CPU).", choices=("auto", "bfloat16", "float32"))
