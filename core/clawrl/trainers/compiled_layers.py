@@ -46,9 +46,9 @@ def wanted(mode: str, device: torch.device) -> bool:
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
-def resolve_scope(scope: str, hybrid: bool) -> str:
-    """The scope ``compile_layers`` gets for ``train.compile_scope``: ``auto`` is ``layer`` unless the
-    model is a hybrid (the module docstring says why)."""
+def _resolve_scope(scope: str, hybrid: bool) -> str:
+    """``train.compile_scope`` made concrete: ``auto`` is ``layer`` unless the model is a hybrid (the
+    module docstring says why)."""
     if scope not in SCOPES:
         raise ValueError(f"train.compile_scope must be one of {SCOPES}, got {scope!r}")
     if scope != "auto":
@@ -59,13 +59,12 @@ def resolve_scope(scope: str, hybrid: bool) -> str:
     return picked
 
 
-def compile_layers(model: torch.nn.Module, scope: str = "parts") -> int:
+def compile_layers(model: torch.nn.Module, scope: str = "auto", hybrid: bool = False) -> int:
     """Compile ``PARTS`` of each decoder layer of ``model`` (an HF causal LM, or a peft model around
-    one), or each layer whole (``scope="layer"``), in place; parameter names and the state dict stay
-    as they were. Returns how many modules were compiled: 0, with the reason logged, for a model
-    without ``model.layers``."""
-    if scope not in SCOPES[1:]:
-        raise ValueError(f"train.compile_scope must be one of {SCOPES[1:]} here (resolve auto first), got {scope!r}")
+    one), or each layer whole (``scope="layer"``; ``auto`` picks by ``hybrid``), in place; parameter
+    names and the state dict stay as they were. Returns how many modules were compiled: 0, with the
+    reason logged, for a model without ``model.layers``."""
+    scope = _resolve_scope(scope, hybrid)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(getattr(base, "model", None), "layers", None)
     if layers is None:

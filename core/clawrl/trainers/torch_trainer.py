@@ -126,9 +126,8 @@ class TorchTrainer(Trainer):
             enable(**{"activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else
                       "gradient_checkpointing_kwargs": {"use_reentrant": False}})
         model.config.use_cache = False
-        self.compiled = compiled_layers.compile_layers(
-            model, compiled_layers.resolve_scope(train_cfg.compile_scope, self.hybrid)) if compiled_layers.wanted(
-            train_cfg.compile, self.device) else 0
+        self.compiled = compiled_layers.compile_layers(model, train_cfg.compile_scope, self.hybrid) if (
+            compiled_layers.wanted(train_cfg.compile, self.device)) else 0
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         # bf16 parameters step through float32 masters (master_weights explains why)
