@@ -1,23 +1,39 @@
-"""Where one train step of the torch trainer spends its GPU time (the figures behind BENCHMARKS.md's
-"GPU training" breakdown): the train part's model and samples (``gpu_train.py``), one profiled step
-after warm-up, kernels grouped into matmuls, attention, the optimizer and the rest, and the 20
-costliest kernels, for each setting given (``parts`` and ``layer``: ``train.compile=on`` with that
-``train.compile_scope``).
+"""Where one train step spends its GPU time (the figures behind BENCHMARKS.md's "GPU training"
+breakdown): the train part's model and samples (``gpu_train.py``), one profiled step after
+warm-up, kernels grouped into matmuls, attention, the optimizer and the rest, the 20 costliest
+kernels, the step's wall time against the GPU's busy time (a step that waits on the host shows a
+gap), and the host calls that block on the device, for each setting given:
 
-    python benchmarks/gpu_train_profile.py [--shape qwen3-1.7b] [--compile off parts layer]
+- ``off``, ``parts``, ``layer``: the torch trainer, ``train.compile=off``, or ``on`` with that
+  ``train.compile_scope``;
+- ``megatron``, ``megatron_eager``: the megatron backend (one rank, tp=pp=1, in a spawned process as
+  ``clawrl serve`` runs it) with its default ``train.compile`` or ``off``.
+
+    python benchmarks/gpu_train_profile.py [--shape qwen3-1.7b] [--setting off parts layer megatron]
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import importlib.util
+import json
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from gpu_models import sync
+
 HERE = Path(__file__).resolve().parent
+TORCH_SETTINGS = {"off": ["train.compile=off"], "parts": ["train.compile=on", "train.compile_scope=parts"],
+                  "layer": ["train.compile=on", "train.compile_scope=layer"]}
+MEGATRON_SETTINGS = {"megatron": [], "megatron_eager": ["train.compile=off"]}
+# host calls that wait for the device: each one is a bubble in the GPU's queue
+BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize", "aten::item",
+            "aten::_local_scalar_dense", "aten::nonzero")
 
 
 def _load(name: str):
@@ -41,52 +57,112 @@ def group(name: str) -> str:
     return "other elementwise / copies / reductions"
 
 
-def profile_step(trainer, batch: list) -> list[tuple[str, float, int]]:
-    for _ in range(2):  # warm-up: allocations, compilation
-        assert trainer.train_step(batch, trainer.step).ok
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        assert trainer.train_step(batch, trainer.step).ok
-        torch.cuda.synchronize()
-    return [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+def profile_step(step) -> dict:
+    """``step()`` twice to warm up (allocations, compilation), then once under the profiler."""
+    for _ in range(2):
+        step()
+    sync()
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        started = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    # kernels are the device's own events; on CPU (a smoke run) the ops' self time stands in
+    kernels = ([(e.key, e.self_device_time_total / 1e3, e.count) for e in events if e.self_device_time_total > 0]
+               if cuda else [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in events
+                             if e.self_cpu_time_total > 0 and e.key.startswith("aten::")])
+    blocking = [(e.key, e.cpu_time_total / 1e3, e.count) for e in events if any(b in e.key for b in BLOCKING)]
+    return {"wall_ms": wall * 1e3, "kernels": kernels, "blocking": blocking}
+
+
+def report(title: str, result: dict) -> None:
+    kernels = result["kernels"]
+    total = sum(ms for _, ms, _ in kernels)
+    groups = collections.Counter()
+    for name, ms, _ in kernels:
+        groups[group(name)] += ms
+    print(f"\n== {title}: {result['wall_ms']:.0f} ms wall (under the profiler), {total:.0f} ms of GPU kernels "
+          f"({total / result['wall_ms']:.0%} busy)", flush=True)
+    for kind, ms in groups.most_common():
+        print(f"  {kind:<42} {ms:7.1f} ms  {ms / total:5.1%}")
+    print("  costliest kernels:")
+    for name, ms, count in sorted(kernels, key=lambda k: -k[1])[:25]:
+        print(f"    {ms:7.1f} ms  x{count:<5} {name[:110]}")
+    if result["blocking"]:
+        print("  host calls that wait on the device:")
+        for name, ms, count in sorted(result["blocking"], key=lambda k: -k[1])[:8]:
+            print(f"    {ms:7.1f} ms  x{count:<5} {name}")
+    print(flush=True)
+
+
+def _megatron_rank(rank: int, overrides: list[str], device: str, model_dir: str, batch: list, out: str,
+                   port: int) -> None:
+    import torch.distributed as dist
+    from clawrl.config import compose
+    from clawrl.trainers.megatron.ranks import MegatronRanks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    ranks = MegatronRanks(compose([f"model.path={model_dir}", f"model.device={device}", "train.lr=1e-6",
+                                   "trainer.backend=megatron", *overrides]), model_dir)
+
+    def step():
+        assert ranks.train_step(batch, ranks.step)["ok"]
+    Path(out).write_text(json.dumps(profile_step(step)))
+    dist.destroy_process_group()
+
+
+def profile_megatron(overrides: list[str], device: str, model_dir: str, batch: list) -> dict:
+    import torch.multiprocessing as mp
+    from clawrl.trainers.megatron.parity import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "profile.json"
+        mp.start_processes(_megatron_rank, args=(overrides, device, model_dir, batch, str(out), free_port()), nprocs=1,
+                           join=True, start_method="spawn")
+        return json.loads(out.read_text())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-1.7b")
-    ap.add_argument("--compile", nargs="+", default=["off", "layer"], choices=("off", "parts", "layer"))
+    ap.add_argument("--setting", nargs="+", default=["off", "layer"], choices=(*TORCH_SETTINGS, *MEGATRON_SETTINGS))
     args = ap.parse_args()
     suite, train = _load("gpu_suite"), _load("gpu_train")
     from clawrl.config import compose
     from clawrl.embedded.tokenizer import save_tokenizer, train_tokenizer
     from clawrl.trainers.torch_trainer import TorchTrainer
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run (--shape tiny)
     batch_n, seq, _ = train.TRAIN_SIZES[args.shape]
-    model = suite.build_model(args.shape, "cuda")
+    batch_n = train.sequences_that_fit(batch_n, device)
+    model = suite.build_model(args.shape, device)
     vocab = model.config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         save_tokenizer(train_tokenizer(["the model has random weights"] * 8, vocab_size=300), Path(tmp), 8192)
         del model
-        torch.cuda.empty_cache()
-        batch = train.samples(vocab, batch_n, seq)
-        for mode in args.compile:
-            setting = ["train.compile=off"] if mode == "off" else ["train.compile=on", f"train.compile_scope={mode}"]
-            trainer = TorchTrainer(compose([f"model.path={tmp}", "model.device=cuda", "train.lr=1e-6", *setting]), tmp)
-            kernels = profile_step(trainer, batch)
-            del trainer
+        if device == "cuda":
             torch.cuda.empty_cache()
-            total = sum(ms for _, ms, _ in kernels)
-            groups = collections.Counter()
-            for name, ms, _ in kernels:
-                groups[group(name)] += ms
-            print(f"\n== {' '.join(setting)}: {total:.0f} ms of GPU time in one step ({args.shape}, "
-                  f"{batch_n} x {seq} tokens)")
-            for kind, ms in groups.most_common():
-                print(f"  {kind:<42} {ms:7.1f} ms  {ms / total:5.1%}")
-            print("  costliest kernels:")
-            for name, ms, count in sorted(kernels, key=lambda k: -k[1])[:20]:
-                print(f"    {ms:7.1f} ms  x{count:<5} {name[:110]}")
+        batch = train.samples(vocab, batch_n, seq)
+        for setting in args.setting:
+            if setting in MEGATRON_SETTINGS:
+                overrides = MEGATRON_SETTINGS[setting]
+                result = profile_megatron(overrides, device, tmp, batch)
+            else:
+                overrides = TORCH_SETTINGS[setting]
+                trainer = TorchTrainer(compose([f"model.path={tmp}", f"model.device={device}", "train.lr=1e-6",
+                                                *overrides]), tmp)
+
+                def step():
+                    assert trainer.train_step(batch, trainer.step).ok
+                result = profile_step(step)
+                del trainer, step
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            report(f"{setting} ({' '.join(overrides) or 'defaults'}; {args.shape}, {batch_n} x {seq} tokens)", result)
 
 
 if __name__ == "__main__":
