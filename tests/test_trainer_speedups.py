@@ -157,6 +157,39 @@ def test_one_pass_logprobs_and_entropy_equal_the_two_functions():
     assert torch.isfinite(logits.grad.float()).all()
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_vocabulary_passes_equal_the_chunked_ones(temperature, monkeypatch):
+    """``fused=True`` (train.compile's compiled kernels over the logits, inductor on CPU here): the same
+    logprobs, entropies and bf16 gradient as the eager chunked passes, banned tokens included; without
+    a gradient too, on bf16 and float32 logits."""
+    from clawrl.losses import logits as logits_mod
+    from clawrl.losses import token_entropy, token_logprobs
+    from clawrl.losses.logits import token_logprobs_and_entropy
+
+    compiled, used = logits_mod._fused, []
+    monkeypatch.setattr(logits_mod, "_fused", lambda fn: used.append(fn.__name__) or compiled(fn))
+    torch.manual_seed(3)
+    base = torch.randn(45, 257) * 3
+    base[4, :9] = float("-inf")
+    targets, weights = torch.randint(0, 257, (45,)), torch.linspace(-1, 1, 45)
+    targets[4] = 20
+    out = {}
+    for fused in (False, True):
+        logits = base.to(torch.bfloat16).requires_grad_()
+        lp, entropy = token_logprobs_and_entropy(logits, targets, chunk_size=16, fused=fused)
+        scaled = token_logprobs(logits, targets, temperature=temperature, chunk_size=16, fused=fused)
+        ((lp + scaled) * weights).sum().backward()
+        assert logits.grad.dtype == torch.bfloat16 and not entropy.requires_grad
+        out[fused] = [lp, entropy, scaled, logits.grad.float(),
+                      token_logprobs(base, targets, temperature=temperature, fused=fused),
+                      token_entropy(base, temperature=temperature, fused=fused)]
+    assert sorted(used) == ["_row_grad"] * 2 + ["_row_stats"] * 4  # two forwards, two backwards, two metrics
+    for name, eager, fused in zip(("logprobs", "entropy", "scaled", "grad", "fp32 logprobs", "fp32 entropy"),
+                                  out[False], out[True]):
+        assert torch.isfinite(fused).all(), name
+        torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_full_logits_give_logprobs_and_entropy_in_one_pass_and_the_loss_reads_the_same_logprobs(monkeypatch):
     """``FullLogits.logprobs_and_entropy`` (pi_old and the entropy metric from the loss's forward, in
     both trainers): one chunked pass over bf16 logits, and ``logprobs`` then returns that tensor

@@ -12,9 +12,16 @@ each chunk's copy is kept for backward -- except in ``token_logprobs`` of lower-
 (bf16 on a GPU), which keeps no float32 copy at all: its backward recomputes each chunk's softmax
 from the bf16 logits and the saved logsumexp (``_ChunkedTokenLogprobs``), so a step over 16k
 tokens of a 150k vocabulary does not hold 10 GB of float32 logits for the backward pass.
+
+``fused=True`` (the trainers pass ``train.compile``'s decision) runs the same formulas as
+torch.compile'd functions over all rows at once (``_row_stats``, ``_row_grad``): inductor turns each
+into reductions and one elementwise pass that read the low-precision logits and cast as they go, so
+no float32 chunk is ever written. Eagerly, every chunk is cast, exponentiated, masked and reduced by
+a separate kernel, each a full pass over ``chunk x V`` float32 values, forward and backward again.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -57,7 +64,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     gradient), so a step that logs it reads the logits once, not twice."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, chunk: int, entropy: bool):
+    def forward(ctx, logits, targets, temperature: float, chunk: int, entropy: bool, fused: bool = False):
+        ctx.temperature, ctx.chunk, ctx.fused = temperature, chunk, fused
+        if fused:
+            out, lse, ent = _fused(_row_stats)(logits, targets, temperature, entropy)
+            ctx.save_for_backward(logits, targets, lse)
+            if entropy:
+                ctx.mark_non_differentiable(ent)
+                return out, ent
+            return out
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         lse, ent = torch.empty_like(out), torch.empty_like(out) if entropy else None
         for start in range(0, logits.shape[0], chunk):
@@ -70,7 +85,6 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if entropy:
                 ent[start:end] = _entropy(z, lse[start:end])
         ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
         if entropy:
             ctx.mark_non_differentiable(ent)
             return out, ent
@@ -79,8 +93,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_entropy=None):
         logits, targets, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
         t, chunk = ctx.temperature, ctx.chunk
+        if ctx.fused:
+            return _fused(_row_grad)(logits, targets, lse, grad_out, t), None, None, None, None, None
+        grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], chunk):
             end = start + chunk
             z = logits[start:end].to(torch.float32)
@@ -89,7 +105,36 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             g = torch.exp(z - lse[start:end, None]).mul_(-grad_out[start:end, None])
             g.scatter_add_(-1, targets[start:end, None], grad_out[start:end, None])
             grad[start:end] = g / t if t != 1.0 else g
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+def _row_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+               entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per row of ``logits / temperature`` in float32: the target's logprob, the logsumexp and (with
+    ``entropy``) the entropy. ``_ChunkedTokenLogprobs``' forward for one chunk, written for inductor."""
+    z = logits.to(torch.float32)
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse, _entropy(z, lse) if entropy else None
+
+
+def _row_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+              temperature: float) -> torch.Tensor:
+    """``_ChunkedTokenLogprobs``' backward for all rows, in the logits' dtype: ``grad_out * (onehot -
+    softmax(z)) / temperature``, the one-hot as a comparison (a scatter would not fuse)."""
+    z = logits.to(torch.float32)
+    if temperature != 1.0:
+        z = z / temperature
+    onehot = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
+    g = grad_out[:, None] * (onehot.to(z.dtype) - torch.exp(z - lse[:, None]))
+    return (g / temperature if temperature != 1.0 else g).to(logits.dtype)
+
+
+@functools.cache
+def _fused(fn):
+    """``fn`` compiled once per process (dynamic token count: one compilation serves every step)."""
+    return torch.compile(fn, dynamic=True)
 
 
 def _checked_targets(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
@@ -101,20 +146,21 @@ def _checked_targets(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Te
     return targets
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor,
-                               chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, chunk_size: int = 4096,
+                               fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs`` (with its gradient) and the detached ``token_entropy`` of the same
     logits, in one pass over bf16 ones."""
     if logits.requires_grad and torch.is_grad_enabled() and logits.dtype in (torch.bfloat16, torch.float16):
         _check_args(logits, 1.0, chunk_size)
-        return _ChunkedTokenLogprobs.apply(logits, _checked_targets(logits, target_ids), 1.0, chunk_size, True)
+        return _ChunkedTokenLogprobs.apply(logits, _checked_targets(logits, target_ids), 1.0, chunk_size, True,
+                                           fused)
     with torch.no_grad():
-        entropy = token_entropy(logits.detach(), chunk_size=chunk_size)
-    return token_logprobs(logits, target_ids), entropy
+        entropy = token_entropy(logits.detach(), chunk_size=chunk_size, fused=fused)
+    return token_logprobs(logits, target_ids, fused=fused), entropy
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0,
-                   chunk_size: int | None = None) -> torch.Tensor:
+                   chunk_size: int | None = None, fused: bool = False) -> torch.Tensor:
     """``log softmax(logits / temperature)[t, target_ids[t]]`` for each token, ``[T, V] -> [T]``.
 
     Computed as ``z[target] - logsumexp(z)``: one gather and one reduction, never the full
@@ -122,9 +168,14 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: 
     (the caller shifts by one).
     """
     targets = _checked_targets(logits, target_ids)
-    if logits.requires_grad and torch.is_grad_enabled() and logits.dtype in (torch.bfloat16, torch.float16):
+    grad = logits.requires_grad and torch.is_grad_enabled()
+    if grad and logits.dtype in (torch.bfloat16, torch.float16):
         _check_args(logits, temperature, chunk_size)
-        return _ChunkedTokenLogprobs.apply(logits, targets, float(temperature), chunk_size or DEFAULT_CHUNK, False)
+        return _ChunkedTokenLogprobs.apply(logits, targets, float(temperature), chunk_size or DEFAULT_CHUNK, False,
+                                           fused)
+    if fused and not grad:
+        _check_args(logits, temperature, chunk_size)
+        return _fused(_row_stats)(logits, targets, float(temperature), False)[0]
 
     def chunk(start: int, z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         t = targets[start:start + z.shape[0]].unsqueeze(-1)
@@ -133,12 +184,18 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: 
     return _per_token(logits, temperature, chunk_size, chunk)
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None,
+                  fused: bool = False) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` per token, ``[T, V] -> [T]``.
 
     ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, which avoids ``log p`` of tiny probabilities
     (``0 * log 0`` would be NaN), tolerates ``-inf`` logits, and needs one chunk's softmax at a time.
+    ``fused`` (where no gradient is wanted): all rows in one compiled pass.
     """
+    if fused and not (logits.requires_grad and torch.is_grad_enabled()):
+        _check_args(logits, temperature, chunk_size)
+        return _fused(_row_stats)(logits, logits.new_zeros(logits.shape[0], dtype=torch.long), float(temperature),
+                                  True)[2]
     return _per_token(logits, temperature, chunk_size, lambda start, z, lse: _entropy(z, lse))
 
 

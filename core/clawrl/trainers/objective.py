@@ -38,21 +38,23 @@ class VocabOps(Protocol):
 
 
 class FullLogits:
-    """``VocabOps`` over full ``[T, V]`` logits on one device."""
+    """``VocabOps`` over full ``[T, V]`` logits on one device; ``fused``: the vocabulary passes as
+    compiled kernels (``clawrl.losses.logits``; the trainers pass ``train.compile``'s decision)."""
 
-    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor):
-        self.logits, self.temperature = logits, temperature
+    def __init__(self, logits: torch.Tensor, temperature: torch.Tensor, fused: bool = False):
+        self.logits, self.temperature, self.fused = logits, temperature, fused
         self._memo: tuple[torch.Tensor, torch.Tensor] | None = None  # (targets, their logprobs)
 
     def logprobs(self, targets: torch.Tensor) -> torch.Tensor:
         """Memoised per ``targets``: pi_old taken from the loss's forward and the loss itself read the
         same tensor, and the pass over the ``[T, V]`` logits runs once."""
         if self._memo is None or self._memo[0] is not targets:
-            self._memo = (targets, token_logprobs(self.logits, targets, chunk_size=DEFAULT_CHUNK))
+            self._memo = (targets, token_logprobs(self.logits, targets, chunk_size=DEFAULT_CHUNK,
+                                                       fused=self.fused))
         return self._memo[1]
 
     def entropy(self) -> torch.Tensor:
-        return token_entropy(self.logits, chunk_size=DEFAULT_CHUNK)
+        return token_entropy(self.logits, chunk_size=DEFAULT_CHUNK, fused=self.fused)
 
     def logprobs_and_entropy(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``logprobs(targets)`` (memoised, with its gradient) and the detached entropy from one pass
@@ -61,7 +63,7 @@ class FullLogits:
         if self._memo is not None and self._memo[0] is targets:
             with torch.no_grad():
                 return self._memo[1], self.entropy()
-        lp, entropy = token_logprobs_and_entropy(self.logits, targets, DEFAULT_CHUNK)
+        lp, entropy = token_logprobs_and_entropy(self.logits, targets, DEFAULT_CHUNK, self.fused)
         self._memo = (targets, lp)
         return lp, entropy
 

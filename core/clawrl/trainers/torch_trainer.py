@@ -126,8 +126,10 @@ class TorchTrainer(Trainer):
             enable(**{"activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else
                       "gradient_checkpointing_kwargs": {"use_reentrant": False}})
         model.config.use_cache = False
+        # train.compile also fuses the passes over the [tokens, vocab] logits (clawrl.losses.logits)
+        self.fused_logits = compiled_layers.wanted(train_cfg.compile, self.device)
         self.compiled = compiled_layers.compile_layers(model, train_cfg.compile_scope, self.hybrid) if (
-            compiled_layers.wanted(train_cfg.compile, self.device)) else 0
+            self.fused_logits) else 0
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         # bf16 parameters step through float32 masters (master_weights explains why)
@@ -251,8 +253,10 @@ class TorchTrainer(Trainer):
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         if self.lora:
             with self.model.disable_adapter():
-                return token_logprobs(self._logits(self.model, mb), mb.targets, chunk_size=DEFAULT_CHUNK)
-        return token_logprobs(self._logits(self.ref_model, mb), mb.targets, chunk_size=DEFAULT_CHUNK)
+                return token_logprobs(self._logits(self.model, mb), mb.targets, chunk_size=DEFAULT_CHUNK,
+                                      fused=self.fused_logits)
+        return token_logprobs(self._logits(self.ref_model, mb), mb.targets, chunk_size=DEFAULT_CHUNK,
+                              fused=self.fused_logits)
 
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-response-token logprobs of each sample under the current weights (no update)."""
@@ -264,7 +268,8 @@ class TorchTrainer(Trainer):
             with torch.no_grad():
                 for group in pack(samples, self.train_cfg.micro_batch_tokens):
                     mb = build_micro_batch([samples[i] for i in group], self.device)
-                    lps = token_logprobs(self._logits(self.model, mb), mb.targets, chunk_size=DEFAULT_CHUNK).tolist()
+                    lps = token_logprobs(self._logits(self.model, mb), mb.targets, chunk_size=DEFAULT_CHUNK,
+                                         fused=self.fused_logits).tolist()
                     cu = mb.cu_seqlens.tolist()
                     # the samples' own sequences come first (a hinted reply's sequence follows them)
                     out += [lps[a:b] for a, b in zip(cu[:-1], cu[1:])][:mb.num_samples]
@@ -311,7 +316,8 @@ class TorchTrainer(Trainer):
             self.model.eval()
             with torch.no_grad():
                 for i, mb in enumerate(batches):
-                    olds[i], entropy, gap = pi_old(FullLogits(self._logits(self.model, mb), mb.temperature), mb)
+                    ops = FullLogits(self._logits(self.model, mb), mb.temperature, self.fused_logits)
+                    olds[i], entropy, gap = pi_old(ops, mb)
                     entropy_sum += entropy
                     gaps.append(gap)
                     refs[i] = self._reference_logprobs(mb) if self.objective.needs_reference else None
@@ -321,7 +327,7 @@ class TorchTrainer(Trainer):
         self._zero_grad()
         stats = StepStats()
         for mb, old, ref in zip(batches, olds, refs):
-            ops = FullLogits(self._logits(self.model, mb), mb.temperature)
+            ops = FullLogits(self._logits(self.model, mb), mb.temperature, self.fused_logits)
             if old is None:  # pi_old is this forward's own logprobs, detached (the loss reads the same ones)
                 old, entropy, gap = pi_old(ops, mb)
                 entropy_sum += entropy

@@ -134,8 +134,9 @@ class MegatronRanks:
         self.gpt = self._load_gpt(model_path)
         # train.compile (auto: on a GPU only): each layer's norms and MLP. On one H200 at the 1.7B shape
         # the compiled step is 1.06x the eager one and peaks 10 GiB lower (BENCHMARKS.md).
-        self.compiled = compiled_layers.compile_megatron_layers(self.gpt) if compiled_layers.wanted(
-            cfg.train.compile, self.device) else 0
+        # train.compile also fuses the passes over the logits at tp=1 (FullLogits)
+        self.fused_logits = compiled_layers.wanted(cfg.train.compile, self.device)
+        self.compiled = compiled_layers.compile_megatron_layers(self.gpt) if self.fused_logits else 0
         self.ref_gpt = None
         self.method = load_method(cfg)
         self.objective = Objective(cfg, topk=self.method.topk)
@@ -249,7 +250,7 @@ class MegatronRanks:
         ranks, ``ShardLogits`` on float32 shards, whose sums cross the ranks."""
         if self.tp == 1:
             unit = not bool((mb.temperature != 1.0).any())
-            return FullLogits(logits if unit else self._scaled_logits(logits, mb), mb.temperature)
+            return FullLogits(logits if unit else self._scaled_logits(logits, mb), mb.temperature, self.fused_logits)
         return ShardLogits(self._scaled_logits(logits, mb), mb.temperature, self.vocab_start, self.tp_group)
 
     def _scaled_logits(self, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
