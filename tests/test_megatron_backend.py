@@ -166,3 +166,29 @@ def test_checkpoint_restores_weights_and_adam_state_exactly(qwen2_dir, tmp_path,
     # (it would not, were the Adam moments or the weights not restored)
     for name, tensor in result["after_two"].items():
         assert torch.equal(tensor, result["again"][name]), name
+
+
+def test_the_torch_adam_fallback_is_switched_to_its_fused_form_with_the_same_update():
+    """Without transformer-engine or apex megatron steps with torch's for-each Adam; on a GPU the
+    backend switches it to the fused form (one kernel; CPU has the fused form too, so it runs here):
+    the same weights after three steps when it is switched between steps, its moments and step
+    counts carried over."""
+    from clawrl.trainers.megatron.ranks import MegatronRanks
+
+    torch.manual_seed(0)
+    start = [torch.randn(7, 3), torch.randn(4)]
+    runs = {}
+    for fused in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        inner = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01)
+        chained = type("Chained", (), {"chained_optimizers": [type("Part", (), {"optimizer": inner})()]})()
+        for step in range(3):
+            if fused and step == 1:
+                MegatronRanks._fuse_adam(chained)
+                assert all(g["fused"] and not g["foreach"] for g in inner.param_groups)
+            for p, t in zip(params, start):
+                p.grad = torch.sin(t * (step + 1))
+            inner.step()
+        runs[fused] = [p.detach() for p in params]
+    for plain, fused in zip(runs[False], runs[True]):
+        torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)

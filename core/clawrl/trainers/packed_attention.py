@@ -91,12 +91,14 @@ def _try_varlen(query, key, value, lengths: list[int], scaling: float | None) ->
 def causal_within(query, key, value, lengths: list[int], scaling: float | None) -> torch.Tensor:
     """Causal attention within each of the consecutive sequences of ``lengths``, for callers that
     are not transformers models (the megatron backend's core attention): ``query`` ``[1, H, L, D]``,
-    ``key``/``value`` ``[1, H, L, D]`` (heads already matched), ``[1, L, H, D]`` out. One varlen
-    flash call on a GPU in half precision, else one SDPA ``is_causal`` call per sequence."""
+    ``key``/``value`` ``[1, Hkv, L, D]`` (grouped-query: each key/value head serves a contiguous group
+    of query heads, read in place, never repeated into a copy), ``[1, L, H, D]`` out. One varlen flash
+    call on a GPU in half precision, else one SDPA ``is_causal`` call per sequence."""
     out = _try_varlen(query, key, value, lengths, scaling)
     if out is not None:
         return out
-    outs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+    gqa = key.shape[1] != query.shape[1]
+    outs = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))]
     return torch.cat(outs, dim=2).transpose(1, 2)
 

@@ -83,9 +83,9 @@ def sdpa_core_attention():
                 raise ValueError(f"SdpaCoreAttention packs in the sbhd layout, not {packed_seq_params.qkv_format}")
             seq, batch = query.shape[0], query.shape[1]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-            groups = q.shape[1] // k.shape[1]
-            if groups > 1:  # a key/value head serves its group's query heads, which are contiguous
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            # a key/value head serves its group's query heads, which are contiguous: both paths read
+            # them in place (grouped-query attention), no repeated copy of keys and values
+            gqa = k.shape[1] != q.shape[1]
             if packed_seq_params is not None:  # one row (batch 1) of sequences end to end
                 lengths = packed_seq_params.cu_seqlens_q.diff().tolist()
                 out = packed_attention.causal_within(q, k, v, lengths, self.softmax_scale)  # [1, s, heads, d]
@@ -93,7 +93,7 @@ def sdpa_core_attention():
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
                 is_causal=attention_mask is None, scale=self.softmax_scale,
-                dropout_p=self.attention_dropout.p if self.training else 0.0)
+                dropout_p=self.attention_dropout.p if self.training else 0.0, enable_gqa=gqa)
             return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
     return SdpaCoreAttention

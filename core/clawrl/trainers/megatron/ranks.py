@@ -189,9 +189,28 @@ class MegatronRanks:
                                   bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                                   use_distributed_optimizer=distributed)
         optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+        if self.cuda:
+            self._fuse_adam(optimizer)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = ddp.no_sync
         return ddp, optimizer
+
+    @staticmethod
+    def _fuse_adam(optimizer) -> None:
+        """Without transformer-engine or apex, megatron steps with torch's Adam in its default for-each
+        form: a dozen kernels over every float32 main weight and moment. Torch's fused form (what the
+        torch trainer steps with) is one kernel, with the same update; its ``fused`` is read from each
+        parameter group at every step, and it keeps each step count on the device (a restored
+        for-each state keeps them on the host)."""
+        for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner = getattr(part, "optimizer", None)
+            if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+                for group in inner.param_groups:
+                    group.update(fused=True, foreach=False)
+                    for p in group["params"]:
+                        state = inner.state.get(p, {})
+                        if "step" in state and state["step"].device != p.device:
+                            state["step"] = state["step"].to(p.device, torch.float32)
 
     def _all_coords(self) -> list[tuple[int, int, int]]:
         """(pp, tp, dp) of every global rank, so any rank can find a parameter's owner."""
@@ -518,9 +537,11 @@ class MegatronRanks:
             return
         with torch.no_grad():
             for part, entry in zip(self._optimizers(), state["optimizer"][dist.get_rank()]):
-                part.optimizer.load_state_dict(entry["inner"])
+                part.optimizer.load_state_dict(entry["inner"])  # its parameter groups' settings too
                 for group, saved in zip(getattr(part, "shard_fp32_from_float16_groups", None) or [],
                                         entry.get("main", [])):
                     for target, value in zip(group, saved):
                         target.copy_(value.to(target.device))
+        if self.cuda:
+            self._fuse_adam(self.optimizer)
         self.step, self.bad_steps = int(state["step"]), int(state.get("bad_steps", 0))
