@@ -246,8 +246,10 @@ def run_train(build_model, shape: str, device: str, save_tokenizer, only: list[s
                 "overrides": overrides, "runs_s": times, **info}
             print(f"train {name:>24}: {tokens / s:9.0f} tok/s, MFU {flops / s / 1e12 / ceiling:.1%}, "
                   f"{hf / s:.2f}x HF ({info})", flush=True)
-        # megatron's default (compiled on a GPU, eager on CPU), and (a variant like the torch ones) eager
-        for name, overrides in (("megatron", ()), ("megatron_eager", ("train.compile=off",))):
+        # megatron's default (compiled on a GPU, each layer whole; eager on CPU), and (variants like the
+        # torch ones) its norms and MLP compiled only, and eager
+        for name, overrides in (("megatron", ()), ("megatron_parts", ("train.compile=on", "train.compile_scope=parts")),
+                                ("megatron_eager", ("train.compile=off",))):
             if only is not None and name != "megatron" and name not in only:
                 continue
             meg = megatron_steps(str(model_dir), device, data, steps, overrides)

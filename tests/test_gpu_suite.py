@@ -65,6 +65,7 @@ def test_gpu_suite_runs_tiny_on_cpu_and_writes_its_keys(tmp_path, capsys):
     assert m["micro_batches"] == 1 and m["pi_old_from_loss_forward"] and m["commit"]
     assert m["compiled_modules"] == 0 and t["megatron_eager"]["compiled_modules"] == 0  # auto: eager on CPU
     assert t["megatron_eager"]["ratio_to_torch"] > 0
+    assert t["megatron_parts"]["compiled_modules"] == 10  # train.compile=on, the tiny shape's norms and MLPs
     s = res["sync"]  # on CPU only gloo, its staged bytes checked against the sent ones
     assert s["gloo"]["ms"] > 0 and s["cross_process_ms"] == s["gloo"]["ms"] and "ipc" not in s
     # in process, into a started engine, checked against a reference model holding the same weights

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from clawrl.config import ConfigError, compose  # noqa: E402
+from clawrl.config import compose  # noqa: E402
 from clawrl.trainers.megatron import convert  # noqa: E402
 from clawrl.trainers.megatron.parity import check_parallel  # noqa: E402
 from engine_testing import make_model_dir  # noqa: E402
@@ -95,15 +95,14 @@ def test_pipeline_parallel_2_with_activation_recomputation_matches_the_torch_bac
 
 
 @pytest.mark.slow
-def test_train_compile_on_compiles_the_megatron_layers_norms_and_mlp_with_parity(tiny_model_dir):
-    """train.compile=on (inductor on CPU here): both backends compile each layer's two norms, q/k
-    norms and MLP, and still agree; megatron refuses to compile layers whole."""
-    report = _check(tiny_model_dir, "train.compile=on", "train.compile_scope=parts", "cluster.tp=2")
+@pytest.mark.parametrize("scope, compiled", [("parts", (10, 10)), ("layer", (2, 2))])
+def test_train_compile_on_compiles_the_megatron_layers_with_parity(tiny_model_dir, scope, compiled):
+    """train.compile=on (inductor on CPU here): both backends compile each layer's two norms, q/k norms
+    and MLP (parts), or each layer whole around its eager attention (layer), and still agree at tp=2."""
+    report = _check(tiny_model_dir, "train.compile=on", f"train.compile_scope={scope}", "cluster.tp=2")
     assert report.ok, report.lines()
-    assert report.compiled == (10, 10)  # the tiny model's 2 layers, 5 parts each
-    assert "compiled   torch 10 modules, megatron 10" in report.lines()
-    with pytest.raises(ConfigError, match="train.compile_scope=layer with trainer.backend=megatron"):
-        compose(["trainer.backend=megatron", "train.compile=on", "train.compile_scope=layer"])
+    assert report.compiled == compiled  # the tiny model's 2 layers, 5 parts each
+    assert f"compiled   torch {compiled[0]} modules, megatron {compiled[1]}" in report.lines()
 
 
 @pytest.mark.slow

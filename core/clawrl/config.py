@@ -190,15 +190,14 @@ class TrainConfig:
                                      "forward/backward.", ge=1)
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass: less memory, "
                                           "slower steps.")
-    compile: str = option("auto", "torch.compile each decoder layer's elementwise work (fused kernels; the first "
-                          "steps compile): on | off | auto (on a GPU only, where both backends measured faster "
-                          "compiled on the Qwen3-1.7B shape, BENCHMARKS.md; CPU runs stay eager).",
-                          choices=("off", "on", "auto"))
-    compile_scope: str = option("auto", "What train.compile compiles in the torch trainer: parts (each decoder "
-                                "layer's norms and MLP) | layer (each decoder layer whole, fusing rotary and the "
-                                "residual adds too; attention stays eager; 1.38x the HF loop against parts' 1.25x "
-                                "on one H200) | auto (layer, but parts for a hybrid linear-attention model). The "
-                                "megatron backend compiles parts.",
+    compile: str = option("auto", "torch.compile each decoder layer's elementwise work and the passes over the "
+                          "logits (fused kernels; the first steps compile): on | off | auto (on a GPU only, where "
+                          "both backends measured faster compiled on the Qwen3-1.7B shape, BENCHMARKS.md; CPU runs "
+                          "stay eager).", choices=("off", "on", "auto"))
+    compile_scope: str = option("auto", "What train.compile compiles of each decoder layer, in both backends: parts "
+                                "(its norms and MLP) | layer (the layer whole, fusing rotary and the residual adds "
+                                "too; attention stays eager; 1.38x the HF loop against parts' 1.25x on one H200) | "
+                                "auto (layer, but parts for a hybrid linear-attention model).",
                                 choices=("auto", "parts", "layer"))
     param_dtype: str = option("auto", "Torch trainer's parameters: bfloat16 (bf16 weights, float32 master weights, "
                               "gradients and AdamW state) | float32 (float32 weights, bf16 autocast on a GPU) | "
@@ -591,9 +590,6 @@ def _cross_problems(cfg: ClawrlConfig) -> list[tuple[str, str]]:
         out.append(("train.replay_coef", f"train.replay_coef={_num(t.replay_coef)} with trainer.backend="
                     f"{cfg.trainer.backend}: the reference replay runs in the torch trainer only (set "
                     "train.replay_coef=0, or trainer.backend=torch)"))
-    if t.compile_scope == "layer" and t.compile != "off" and cfg.trainer.backend == "megatron":
-        out.append(("train.compile_scope", "train.compile_scope=layer with trainer.backend=megatron: the megatron "
-                    "backend compiles each layer's norms and MLP only (set train.compile_scope=parts)"))
     if t.max_batch_size is not None and t.max_batch_size < t.batch_size:
         out.append(("train.max_batch_size", f"train.max_batch_size={t.max_batch_size} and train.batch_size="
                     f"{t.batch_size}: a step takes at least batch_size, so the bound must be at least that"))

@@ -18,7 +18,11 @@ Two scopes (``train.compile_scope``), and ``auto`` to pick one:
 - ``auto`` (the default): ``layer`` for an attention-only model; ``parts`` for a hybrid, whose
   linear-attention layers train on HF's pure-torch delta rule where fla's backward is refused: a
   Python loop over chunks that a whole-layer graph would unroll and recompile per sequence length.
-  The megatron backend always compiles parts (``compile_megatron_layers``).
+
+The megatron backend (``compile_megatron_layers``) takes the same scopes on megatron-core's local
+layer spec. Whole, a ``TransformerLayer`` compiles around its core attention (``SdpaCoreAttention``
+is opaque to dynamo like ``packed_attention_forward``; it reads the packed bounds from
+``PackedSeqParams`` eagerly), so the QKV split, q/k norms, rotary, residual adds and MLP fuse.
 """
 from __future__ import annotations
 
@@ -82,11 +86,17 @@ def compile_layers(model: torch.nn.Module, scope: str = "auto", hybrid: bool = F
     return count
 
 
-def compile_megatron_layers(gpt: torch.nn.Module) -> int:
-    """``compile_layers``' parts scope for a megatron-core ``GPTModel`` of the local layer spec:
-    each layer's norms and MLP. Its attention takes the packed bounds as ``PackedSeqParams``
-    outside the compiled parts, as in the torch trainer."""
+def compile_megatron_layers(gpt: torch.nn.Module, scope: str = "auto") -> int:
+    """``compile_layers`` for a megatron-core ``GPTModel`` of the local layer spec: each layer whole
+    (``layer``, and ``auto``: megatron builds no hybrid here) or its norms and MLP (``parts``)."""
+    scope = _resolve_scope(scope, hybrid=False)
     layers = gpt.decoder.layers
+    if scope == "layer":
+        for layer in layers:
+            layer.compile(dynamic=True)
+        log.info("train.compile: %d megatron layers compiled whole (core attention eager between their graphs); "
+                 "the first train steps compile them", len(layers))
+        return len(layers)
     count = _compile_parts(layers, MEGATRON_PARTS)
     log.info("train.compile: %d norm and MLP modules of %d megatron layers compiled; the first train steps "
              "compile them", count, len(layers))

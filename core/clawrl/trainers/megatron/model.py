@@ -75,6 +75,9 @@ def sdpa_core_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SdpaCoreAttention(DotProductAttention):
+        # opaque to a layer compiled whole (train.compile_scope=layer): it reads the packed bounds back
+        # to the host, and runs eagerly between the layer's graphs
+        @torch.compiler.disable
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             if attention_bias is not None:

@@ -132,11 +132,12 @@ class MegatronRanks:
                                          recompute=cfg.train.gradient_checkpointing)
         self.te = layer_spec_kind() == "transformer-engine"
         self.gpt = self._load_gpt(model_path)
-        # train.compile (auto: on a GPU only): each layer's norms and MLP. On one H200 at the 1.7B shape
-        # the compiled step is 1.06x the eager one and peaks 10 GiB lower (BENCHMARKS.md).
-        # train.compile also fuses the passes over the logits at tp=1 (FullLogits)
+        # train.compile (auto: on a GPU only): each layer, whole or its norms and MLP (train.compile_scope;
+        # transformer-engine's spec, never run here, its parts only), and the passes over the logits at
+        # tp=1 (FullLogits). BENCHMARKS.md has what each saves.
         self.fused_logits = compiled_layers.wanted(cfg.train.compile, self.device)
-        self.compiled = compiled_layers.compile_megatron_layers(self.gpt) if self.fused_logits else 0
+        self.compiled = compiled_layers.compile_megatron_layers(
+            self.gpt, "parts" if self.te else cfg.train.compile_scope) if self.fused_logits else 0
         self.ref_gpt = None
         self.method = load_method(cfg)
         self.objective = Objective(cfg, topk=self.method.topk)
