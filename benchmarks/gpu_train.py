@@ -161,8 +161,9 @@ def _megatron_rank(rank: int, cfg, model_dir: str, batch: list, steps: int, out:
 
 def megatron_steps(model_dir: str, device: str, batch: list, steps: int, overrides: tuple[str, ...] = ()) -> dict:
     """The megatron backend's step times and facts, from a spawned rank; ``{"skipped": why}`` when
-    megatron-core is not installed or the rank ran out of device memory (its 1.7B step holds 20 GiB
-    more than the torch trainer's: an 80 GB card did not fit 4 x 2048 tokens beside the suite)."""
+    megatron-core is not installed, the rank ran out of device memory (its 1.7B step holds 20 GiB
+    more than the torch trainer's: an 80 GB card did not fit 4 x 2048 tokens beside the suite) or
+    it failed otherwise (the error's last line)."""
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:
@@ -178,10 +179,11 @@ def megatron_steps(model_dir: str, device: str, batch: list, steps: int, overrid
         try:
             mp.start_processes(_megatron_rank, args=(cfg, model_dir, batch, steps, str(out), free_port()), nprocs=1,
                                join=True, start_method="spawn")
-        except mp.ProcessRaisedException as e:
-            if "OutOfMemoryError" not in str(e):
-                raise
-            return {"skipped": "out of device memory"}
+        except mp.ProcessRaisedException as e:  # recorded, so that the other figures of the part still land
+            if "OutOfMemoryError" in str(e):
+                return {"skipped": "out of device memory"}
+            last = [line for line in str(e).splitlines() if line.strip()][-1]
+            return {"skipped": f"the rank failed: {last[:300]}", "overrides": list(overrides)}
         return json.loads(out.read_text())
 
 
