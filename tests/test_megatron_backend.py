@@ -197,3 +197,30 @@ def test_the_torch_adam_fallback_is_switched_to_its_fused_form_with_the_same_upd
         runs[fused] = [p.detach() for p in params]
     for plain, fused in zip(runs[False], runs[True]):
         torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_foreach_norm_and_scale_replace_megatrons_per_tensor_fallbacks():
+    """Without apex or transformer-engine the backend swaps in for-each kernels for megatron's
+    gradient norm (its own fallback syncs the host once per tensor) and clip scaling: same results."""
+    from megatron.core.optimizer import clip_grads
+
+    from clawrl.trainers.megatron import foreach_kernels
+
+    assert foreach_kernels.install() and clip_grads.l2_norm_impl is foreach_kernels.l2_norm
+    assert foreach_kernels.install()  # idempotent
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2).to(torch.bfloat16)]
+    flag = torch.zeros(1, dtype=torch.int32)
+    norm, per_tensor = foreach_kernels.l2_norm(2048, flag, [grads], False)
+    expected = torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in grads]))
+    assert per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm[0], expected)
+    assert float(foreach_kernels.l2_norm(2048, flag, [[]], False)[0]) == 0.0
+    copies = [torch.empty_like(g) for g in grads[:2]]
+    foreach_kernels.scale(2048, flag, [grads[:2], copies], 0.5)
+    for g, c in zip(grads[:2], copies):
+        torch.testing.assert_close(c, g * 0.5)
+    before = [g.clone() for g in grads[:2]]
+    foreach_kernels.scale(2048, flag, [grads[:2], grads[:2]], 2.0)  # in place, as clipping calls it
+    for g, b in zip(grads[:2], before):
+        torch.testing.assert_close(g, b * 2.0)

@@ -35,6 +35,16 @@ def test_packed_attention_equals_the_block_mask_and_each_sequence_alone(model_di
     torch.testing.assert_close(changed[first:], packed[first:], atol=1e-10, rtol=0)
 
 
+def test_varlen_offsets_are_built_once_per_micro_batch_shape():
+    """The varlen kernel's sequence offsets are made once per set of lengths and reused by every layer
+    (each layer building its own waited on the device)."""
+    cpu = torch.device("cpu")
+    cu = packed_attention._cu_seqlens([3, 5, 2], cpu)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 8, 10]
+    assert packed_attention._cu_seqlens([3, 5, 2], cpu) is cu
+    assert packed_attention._cu_seqlens([5, 3, 2], cpu).tolist() == [0, 5, 8, 10]
+
+
 def test_a_model_that_drops_the_bounds_falls_back_to_the_block_mask(model_dir, monkeypatch, caplog):
     trainer = trainer_for(model_dir, dtype=torch.float64)
     samples = make_samples(trainer.vocab_size, n=3, seed=6)

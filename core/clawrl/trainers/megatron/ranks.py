@@ -42,7 +42,7 @@ from clawrl.samples import Sample
 from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
                                      trained_mask)
 from clawrl.trainers import compiled_layers
-from clawrl.trainers.megatron import convert
+from clawrl.trainers.megatron import convert, foreach_kernels
 from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
 from clawrl.trainers.objective import FullLogits, Objective, StepStats, VocabOps, pi_old
 
@@ -108,6 +108,7 @@ class MegatronRanks:
             from clawrl.trainers.megatron import cpu_shims
 
             cpu_shims.install()
+        foreach_kernels.install()
         self.cfg, self.train_cfg = cfg, cfg.train
         cluster = cfg.cluster
         self.arch = convert.read_arch(model_path)
@@ -391,12 +392,13 @@ class MegatronRanks:
             return self._skip(metrics, "nonfinite_loss")
 
         self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
+        # one pass for the norm: clip_grad_norm returns the norm it clipped by (a non-finite norm
+        # clips nothing that is kept: the step is skipped and the gradients zeroed)
+        clip = self.train_cfg.grad_clip
+        grad_norm = float(self.optimizer.clip_grad_norm(clip) if clip > 0 else self.optimizer.get_grad_norm())
         metrics["grad_norm"] = grad_norm
         if not math.isfinite(grad_norm):
             return self._skip(metrics, "nonfinite_grad")
-        if self.train_cfg.grad_clip > 0:
-            self.optimizer.clip_grad_norm(self.train_cfg.grad_clip)
         self.optimizer.step_with_ready_grads()
         self.step += 1
         self.bad_steps = 0
