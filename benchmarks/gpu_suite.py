@@ -549,8 +549,8 @@ def main(argv=None) -> int:
                     help="engine.decode_attention; decode figures of another than the default (sdpa) go under "
                          "decode_<name>")
     ap.add_argument("--train-variants", default=None,
-                    help="comma-separated trainer variants for --part train, megatron_parts and megatron_eager among them "
-                         "(default: all; 'default' is always measured)")
+                    help="comma-separated trainer variants for --part train, megatron_parts and megatron_eager "
+                         "among them (default: all; 'default' is always measured)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = args.shape or ("qwen3-1.7b" if device == "cuda" else "tiny")

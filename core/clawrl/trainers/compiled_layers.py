@@ -74,32 +74,26 @@ def compile_layers(model: torch.nn.Module, scope: str = "auto", hybrid: bool = F
     if layers is None:
         log.info("train.compile: %s has no model.layers; nothing compiled", type(base).__name__)
         return 0
-    if scope == "layer":
-        for layer in layers:
-            layer.compile(dynamic=True)
-        log.info("train.compile: %d decoder layers compiled whole (attention eager between their graphs); the "
-                 "first train steps compile them", len(layers))
-        return len(layers)
-    count = _compile_parts(layers, PARTS)
-    log.info("train.compile: %d norm and MLP modules of %d decoder layers compiled; the first train steps "
-             "compile them", count, len(layers))
-    return count
+    return _compile(layers, scope, PARTS, "decoder layers")
 
 
 def compile_megatron_layers(gpt: torch.nn.Module, scope: str = "auto") -> int:
     """``compile_layers`` for a megatron-core ``GPTModel`` of the local layer spec: each layer whole
     (``layer``, and ``auto``: megatron builds no hybrid here) or its norms and MLP (``parts``)."""
-    scope = _resolve_scope(scope, hybrid=False)
-    layers = gpt.decoder.layers
+    return _compile(gpt.decoder.layers, _resolve_scope(scope, hybrid=False), MEGATRON_PARTS, "megatron layers")
+
+
+def _compile(layers, scope: str, parts: tuple[str, ...], what: str) -> int:
+    """Each of ``layers`` whole (``scope="layer"``), or its ``parts``; how many modules were compiled."""
     if scope == "layer":
         for layer in layers:
             layer.compile(dynamic=True)
-        log.info("train.compile: %d megatron layers compiled whole (core attention eager between their graphs); "
-                 "the first train steps compile them", len(layers))
+        log.info("train.compile: %d %s compiled whole (attention eager between their graphs); the first train "
+                 "steps compile them", len(layers), what)
         return len(layers)
-    count = _compile_parts(layers, MEGATRON_PARTS)
-    log.info("train.compile: %d norm and MLP modules of %d megatron layers compiled; the first train steps "
-             "compile them", count, len(layers))
+    count = _compile_parts(layers, parts)
+    log.info("train.compile: %d norm and MLP modules of %d %s compiled; the first train steps compile them",
+             count, len(layers), what)
     return count
 
 
