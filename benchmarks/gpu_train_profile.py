@@ -69,10 +69,16 @@ def profile_step(step) -> dict:
         sync()
         wall = time.perf_counter() - started
     events = prof.key_averages()
-    # kernels are the device's own events; on CPU (a smoke run) the ops' self time stands in
-    kernels = ([(e.key, e.self_device_time_total / 1e3, e.count) for e in events if e.self_device_time_total > 0]
-               if cuda else [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in events
-                             if e.self_cpu_time_total > 0 and e.key.startswith("aten::")])
+    # kernels are the device's own events (an op such as aten::mm also carries its kernels' time, and
+    # counting both doubled the total); on CPU (a smoke run) the ops' self time stands in
+    if cuda:
+        kernels = [(e.key, e.device_time_total / 1e3, e.count) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+        kernels = kernels or [(e.key, e.self_device_time_total / 1e3, e.count) for e in events
+                              if e.self_device_time_total > 0 and not e.key.startswith("aten::") and "#" not in e.key]
+    else:
+        kernels = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in events
+                   if e.self_cpu_time_total > 0 and e.key.startswith("aten::")]
     blocking = [(e.key, e.cpu_time_total / 1e3, e.count) for e in events if any(b in e.key for b in BLOCKING)]
     return {"wall_ms": wall * 1e3, "kernels": kernels, "blocking": blocking}
 
