@@ -111,7 +111,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 def _row_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per row of ``logits / temperature`` in float32: the target's logprob, the logsumexp and (with
-    ``entropy``) the entropy. ``_ChunkedTokenLogprobs``' forward for one chunk, written for inductor."""
+    ``entropy``) the entropy: ``_ChunkedTokenLogprobs``' forward over all rows at once, written for inductor."""
     z = logits.to(torch.float32)
     if temperature != 1.0:
         z = z / temperature
