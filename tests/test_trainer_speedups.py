@@ -192,10 +192,12 @@ def test_fused_vocabulary_passes_equal_the_chunked_ones(temperature, monkeypatch
         assert logits.grad.dtype == torch.bfloat16 and not entropy.requires_grad
         out[fused] = [lp, entropy, scaled, logits.grad.float(),
                       token_logprobs(base, targets, temperature=temperature, fused=fused),
-                      token_entropy(base, temperature=temperature, fused=fused)]
-    assert sorted(used) == ["_row_grad"] * 2 + ["_row_stats"] * 4  # two forwards, two backwards, two metrics
-    for name, eager, fused in zip(("logprobs", "entropy", "scaled", "grad", "fp32 logprobs", "fp32 entropy"),
-                                  out[False], out[True]):
+                      token_entropy(base, temperature=temperature, fused=fused),
+                      *token_logprobs_and_entropy(base, targets, fused=fused)]  # no gradient: one pass for both
+    # two forwards, two backwards, two metrics and one pass for both without a gradient
+    assert sorted(used) == ["_row_grad"] * 2 + ["_row_stats"] * 5
+    for name, eager, fused in zip(("logprobs", "entropy", "scaled", "grad", "fp32 logprobs", "fp32 entropy",
+                                   "fp32 logprobs, one pass", "fp32 entropy, one pass"), out[False], out[True]):
         assert torch.isfinite(fused).all(), name
         torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4, msg=name)
 

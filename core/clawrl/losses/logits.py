@@ -77,9 +77,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         lse, ent = torch.empty_like(out), torch.empty_like(out) if entropy else None
         for start in range(0, logits.shape[0], chunk):
             end = start + chunk
-            z = logits[start:end].to(torch.float32)
-            if temperature != 1.0:
-                z = z / temperature
+            z = _scaled32(logits[start:end], temperature)
             lse[start:end] = torch.logsumexp(z, dim=-1)
             out[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
             if entropy:
@@ -99,22 +97,24 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], chunk):
             end = start + chunk
-            z = logits[start:end].to(torch.float32)
-            if t != 1.0:
-                z = z / t
+            z = _scaled32(logits[start:end], t)
             g = torch.exp(z - lse[start:end, None]).mul_(-grad_out[start:end, None])
             g.scatter_add_(-1, targets[start:end, None], grad_out[start:end, None])
             grad[start:end] = g / t if t != 1.0 else g
         return grad, None, None, None, None, None
 
 
+def _scaled32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in float32: what every pass of ``_ChunkedTokenLogprobs`` works on."""
+    z = logits.to(torch.float32)
+    return z if temperature == 1.0 else z / temperature
+
+
 def _row_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per row of ``logits / temperature`` in float32: the target's logprob, the logsumexp and (with
     ``entropy``) the entropy: ``_ChunkedTokenLogprobs``' forward over all rows at once, written for inductor."""
-    z = logits.to(torch.float32)
-    if temperature != 1.0:
-        z = z / temperature
+    z = _scaled32(logits, temperature)
     lse = torch.logsumexp(z, dim=-1)
     return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse, _entropy(z, lse) if entropy else None
 
@@ -123,9 +123,7 @@ def _row_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, gr
               temperature: float) -> torch.Tensor:
     """``_ChunkedTokenLogprobs``' backward for all rows, in the logits' dtype: ``grad_out * (onehot -
     softmax(z)) / temperature``, the one-hot as a comparison (a scatter would not fuse)."""
-    z = logits.to(torch.float32)
-    if temperature != 1.0:
-        z = z / temperature
+    z = _scaled32(logits, temperature)
     onehot = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
     g = grad_out[:, None] * (onehot.to(z.dtype) - torch.exp(z - lse[:, None]))
     return (g / temperature if temperature != 1.0 else g).to(logits.dtype)
@@ -154,6 +152,10 @@ def token_logprobs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor, c
         _check_args(logits, 1.0, chunk_size)
         return _ChunkedTokenLogprobs.apply(logits, _checked_targets(logits, target_ids), 1.0, chunk_size, True,
                                            fused)
+    if fused and not (logits.requires_grad and torch.is_grad_enabled()):  # both from one compiled pass
+        _check_args(logits, 1.0, chunk_size)
+        lp, _, entropy = _fused(_row_stats)(logits, _checked_targets(logits, target_ids), 1.0, True)
+        return lp, entropy
     with torch.no_grad():
         entropy = token_entropy(logits.detach(), chunk_size=chunk_size, fused=fused)
     return token_logprobs(logits, target_ids, fused=fused), entropy
