@@ -20,6 +20,8 @@ import json
 import os
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -57,8 +59,65 @@ def group(name: str) -> str:
     return "other elementwise / copies / reductions"
 
 
+def _is_kernel(event) -> bool:
+    """A device event that is work: not an annotation the profiler mirrors onto the device's timeline
+    (``Optimizer.step#AdamW.step`` spans the whole step and would count its kernels twice)."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and "#" not in event.key and \
+        not event.key.startswith("ProfilerStep")
+
+
+def sync_sites(step) -> list[tuple[str, int]]:
+    """Where ``step()`` makes the host wait for the device: CUDA's sync debug mode warns at every
+    synchronizing call, and the hook keeps the innermost three Python frames of each (the line that
+    asked, and who called it), counted by site. Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    sites = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith(("warnings.py", __file__))]
+        sites[" <- ".join(f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno}" for f in frames[::-1][:3])] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            sync()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites.most_common(15)
+
+
+def idle_gaps(prof, wall_ms: float) -> dict:
+    """When the device sat idle during the profiled step: before its first kernel (host work that
+    launches nothing), between kernels, and after the last; the longest gaps between kernels with the
+    host's top-level ops that overlap each (the host's doing while the device waited)."""
+    events = prof.events()
+    device = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                    if _is_kernel(e) and e.time_range.end > e.time_range.start)
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None]
+    if not device or not host:
+        return {}
+    origin = min(e.time_range.start for e in host)
+    gaps, busy_until = [], device[0][1]
+    for start, end, name in device[1:]:
+        if start - busy_until > 100:  # microseconds
+            gaps.append((busy_until, start, name))
+        busy_until = max(busy_until, end)
+    longest = []
+    for a, b, name in sorted(gaps, key=lambda g: g[0] - g[1])[:8]:
+        over = sorted({e.name for e in host if e.time_range.start < b and e.time_range.end > a})
+        longest.append(((b - a) / 1e3, (a - origin) / 1e3, name[:60], over[:4]))
+    return {"before_first_ms": (device[0][0] - origin) / 1e3, "between_ms": sum(b - a for a, b, _ in gaps) / 1e3,
+            "gaps": len(gaps), "after_last_ms": wall_ms - (busy_until - origin) / 1e3, "longest": longest}
+
+
 def profile_step(step) -> dict:
-    """``step()`` twice to warm up (allocations, compilation), then once under the profiler."""
+    """``step()`` twice to warm up (allocations, compilation), then once under the profiler, then
+    once more to find where it synchronizes."""
     for _ in range(2):
         step()
     sync()
@@ -73,14 +132,26 @@ def profile_step(step) -> dict:
     # counting both doubled the total); on CPU (a smoke run) the ops' self time stands in
     if cuda:
         kernels = [(e.key, e.device_time_total / 1e3, e.count) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+                   if _is_kernel(e) and e.device_time_total > 0]
         kernels = kernels or [(e.key, e.self_device_time_total / 1e3, e.count) for e in events
                               if e.self_device_time_total > 0 and not e.key.startswith("aten::") and "#" not in e.key]
     else:
         kernels = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in events
                    if e.self_cpu_time_total > 0 and e.key.startswith("aten::")]
     blocking = [(e.key, e.cpu_time_total / 1e3, e.count) for e in events if any(b in e.key for b in BLOCKING)]
-    return {"wall_ms": wall * 1e3, "kernels": kernels, "blocking": blocking}
+    # which ops own the kernels' time (a kernel's name seldom says: "multi_tensor_apply_kernel")
+    ops = [(e.key, e.self_device_time_total / 1e3, e.count) for e in events
+           if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    try:
+        gaps = idle_gaps(prof, wall * 1e3) if cuda else {}
+    except Exception as exc:  # a profiler API that moved must not lose the rest of the report
+        gaps = {"error": repr(exc)}
+    try:
+        sites = sync_sites(step)
+    except Exception as exc:
+        sites = [(f"not read ({exc!r})", 0)]
+    return {"wall_ms": wall * 1e3, "kernels": kernels, "blocking": blocking, "ops": ops, "gaps": gaps,
+            "sync_sites": sites}
 
 
 def report(title: str, result: dict) -> None:
@@ -100,6 +171,22 @@ def report(title: str, result: dict) -> None:
         print("  host calls that wait on the device:")
         for name, ms, count in sorted(result["blocking"], key=lambda k: -k[1])[:8]:
             print(f"    {ms:7.1f} ms  x{count:<5} {name}")
+    if result.get("ops"):
+        print("  ops that own the device time:")
+        for name, ms, count in sorted(result["ops"], key=lambda k: -k[1])[:12]:
+            print(f"    {ms:7.1f} ms  x{count:<5} {name}")
+    gaps = result.get("gaps") or {}
+    if "error" in gaps:
+        print(f"  idle gaps: not read ({gaps['error']})")
+    elif gaps:
+        print(f"  device idle: {gaps['before_first_ms']:.1f} ms before the first kernel, {gaps['between_ms']:.1f} ms "
+              f"in {gaps['gaps']} gaps over 0.1 ms between kernels, {gaps['after_last_ms']:.1f} ms after the last")
+        for ms, at, name, over in gaps["longest"]:
+            print(f"    {ms:6.2f} ms at {at:6.1f} ms, before {name}; host: {', '.join(over)[:150]}")
+    if result.get("sync_sites"):
+        print("  where the host synchronizes (one more step under CUDA's sync debug mode):")
+        for site, count in result["sync_sites"]:
+            print(f"    x{count:<4} {site[:160]}")
     print(flush=True)
 
 

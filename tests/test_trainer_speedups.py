@@ -278,3 +278,54 @@ def test_compiled_norms_and_mlp_take_the_same_step(model_dir):
     assert compiled_layers.wanted("auto", torch.device("cuda")) is True
     with pytest.raises(ValueError, match="train.compile must be one of"):
         compiled_layers.wanted("yes", torch.device("cpu"))
+
+
+def _fused(trainer):
+    """The trainer's optimizer as CUDA builds it (fused AdamW; fused also runs on CPU)."""
+    cfg = trainer.train_cfg
+    trainer.optimizer = torch.optim.AdamW(trainer.masters.master if trainer.masters else trainer.params, lr=cfg.lr,
+                                          weight_decay=cfg.weight_decay, fused=True)
+    return trainer
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_the_fused_step_clips_through_grad_scale_like_clip_grad_norm(model_dir, param_dtype):
+    """The fused AdamW divides each gradient by max(norm / clip, 1) as it reads it: the same update as
+    clip_grad_norm_ then a step, with no pass rewriting the gradients (clip small enough to act)."""
+    samples = make_samples(400, n=5, seed=11)
+    weights, metrics = {}, {}
+    for fused in (False, True):
+        trainer = trainer_for(model_dir, "train.lr=1e-3", "train.grad_clip=0.05", "train.micro_batch_tokens=30",
+                              f"train.param_dtype={param_dtype}")
+        if fused:
+            _fused(trainer)
+        on_policy(trainer, samples)
+        for step in range(2):
+            result = trainer.train_step(samples, step)
+            assert result.ok
+        metrics[fused] = result.metrics
+        weights[fused] = [w.detach().clone() for w in (trainer.masters.master if trainer.masters else trainer.params)]
+    assert metrics[True]["grad_norm"] > 0.05 * 10  # the clip acted
+    assert metrics[True]["grad_norm"] == pytest.approx(metrics[False]["grad_norm"], rel=1e-5)
+    assert metrics[True]["loss"] == pytest.approx(metrics[False]["loss"], rel=1e-5)
+    for a, b in zip(weights[True], weights[False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_non_finite_loss_leaves_the_fused_step_undone_and_is_reported(model_dir, monkeypatch):
+    """The fused step is queued before the host reads the loss: found_inf must undo it whole (weights,
+    moments and step count), and the step is reported skipped as before."""
+    trainer = _fused(trainer_for(model_dir, "train.lr=1e-3", "train.param_dtype=bfloat16"))
+    samples = on_policy(trainer, make_samples(trainer.vocab_size, n=3, seed=12))
+    assert trainer.train_step(samples, 0).ok
+    before = [m.detach().clone() for m in trainer.masters.master]
+    moments = [trainer.optimizer.state[m]["exp_avg"].clone() for m in trainer.masters.master]
+    loss = trainer.objective.loss
+    # an infinite loss whose gradients are finite: only the loss's own check can stop the step
+    monkeypatch.setattr(trainer.objective, "loss", lambda *a: (lambda out: (out[0] + float("inf"), out[1]))(loss(*a)))
+    result = trainer.train_step(samples, 1)
+    assert not result.ok and result.skipped_reason == "nonfinite_loss" and result.metrics["bad_steps"] == 1
+    for m, b, mo in zip(trainer.masters.master, before, moments):
+        assert torch.equal(m.detach(), b) and torch.equal(trainer.optimizer.state[m]["exp_avg"], mo)
+        assert int(trainer.optimizer.state[m]["step"]) == 1
+    assert all(m.grad is None for m in trainer.masters.master) and trainer.step == 1

@@ -22,14 +22,24 @@ class MasterWeights:
 
     @torch.no_grad()
     def accumulate(self) -> None:
-        """Move the parameters' gradients (of the micro-batch just back-propagated) into the masters'."""
+        """Move the parameters' gradients (of the micro-batch just back-propagated) into the masters':
+        for-each copies and adds, a few kernels for all tensors rather than one per tensor."""
+        fresh, fresh_from, summed, summed_from = [], [], [], []
         for p, m in zip(self.params, self.master):
             if p.grad is None:
                 continue
             if m.grad is None:
-                m.grad = p.grad.to(torch.float32)
+                m.grad = torch.empty_like(m)
+                fresh.append(m.grad)
+                fresh_from.append(p.grad)
             else:
-                m.grad.add_(p.grad)
+                summed.append(m.grad)
+                summed_from.append(p.grad)
+        if fresh:
+            torch._foreach_copy_(fresh, fresh_from)
+        if summed:
+            torch._foreach_add_(summed, summed_from)
+        for p in self.params:
             p.grad = None
 
     @torch.no_grad()

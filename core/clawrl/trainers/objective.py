@@ -72,14 +72,14 @@ class FullLogits:
         return topk_logprobs(self.logits * self.temperature.to(self.logits.dtype)[:, None], ids)
 
 
-def pi_old(ops: VocabOps, mb: MicroBatch) -> tuple[torch.Tensor, float, torch.Tensor]:
+def pi_old(ops: VocabOps, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pi_old's logprobs of ``mb``'s response tokens (detached), the sum of the trained tokens'
-    entropies, and the largest gap to the rollout's logprobs (a device scalar, read once per step),
-    from one pass over the logits: what both trainers take before the loss, from a no-grad forward
-    or the loss's own."""
+    entropies, and the largest gap to the rollout's logprobs (both device scalars, read once per
+    step), from one pass over the logits: what both trainers take before the loss, from a no-grad
+    forward or the loss's own."""
     lp, entropy = ops.logprobs_and_entropy(mb.targets)
     old = lp.detach()
-    return old, float((entropy * mb.loss_mask).sum()), ((old - mb.rollout_logprobs).abs() * mb.loss_mask).max()
+    return old, (entropy.detach() * mb.loss_mask).sum(), ((old - mb.rollout_logprobs).abs() * mb.loss_mask).max()
 
 
 class Objective:
@@ -109,8 +109,10 @@ class Objective:
         return self.train_cfg.kl_coef > 0
 
     def loss(self, ops: VocabOps, mb: MicroBatch, old: torch.Tensor, ref: torch.Tensor | None,
-             denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """This micro-batch's share of the step loss, and its metric sums (``StepStats.add``)."""
+             denominator: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of the step loss, and its metric sums (``StepStats.add``) as device
+        scalars: reading each here would make the host wait for the forward before the backward is
+        queued, once per metric."""
         train_cfg, mode = self.train_cfg, self.loss_cfg.aggregation
         lp = ops.logprobs(mb.targets)
         entropy = ops.entropy() if train_cfg.entropy_coef != 0 else None
@@ -120,23 +122,23 @@ class Objective:
         loss, m = policy_loss(lp, old, advantages, mb.loss_mask, mb.cu_seqlens, self.loss_cfg,
                               rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
                               global_denominator=denominator)
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
         if mb.topk_mask is not None and bool((mb.topk_mask * mb.loss_mask).any()):
             distill_mask = mb.topk_mask * mb.loss_mask
             student = ops.topk_logprobs_t1(mb.topk_ids)
             kl = (topk_reverse_kl if self.topk_kl == "reverse" else topk_forward_kl)(student, mb.topk_logprobs)
             loss = loss + self.topk_coef * aggregate(kl, distill_mask, mb.cu_seqlens, mode,
                                                      global_denominator=denominator)
-            sums["topk_kl_sum"] = float((kl.detach() * distill_mask).sum())
-            sums["topk_tokens"] = float(distill_mask.sum())
+            sums["topk_kl_sum"] = (kl.detach() * distill_mask).sum()
+            sums["topk_tokens"] = distill_mask.sum()
         if mb.hinted_weight is not None and self.hinted_coef > 0:
             # a teacher's reply under the hinted prompt, trained under the student's prompt (opd.hinted_sample);
             # same denominator as the policy loss, so the term weighs per token like the rest of the step
             nll_loss, nll = weighted_nll(lp, mb.hinted_weight, mb.cu_seqlens, mode, global_denominator=denominator)
             loss = loss + self.hinted_coef * nll_loss
             hinted_mask = (mb.hinted_weight > 0).to(nll.dtype)
-            sums["hinted_nll_sum"] = float((nll * hinted_mask).sum())
-            sums["hinted_tokens"] = float(hinted_mask.sum())
+            sums["hinted_nll_sum"] = (nll.detach() * hinted_mask).sum()
+            sums["hinted_tokens"] = hinted_mask.sum()
         if mb.replay_mask is not None and self.replay_coef > 0:
             # the frozen reference's own reply to the sample's prompt (train.replay_coef): pulls what the
             # feedback does not judge back toward the start, on the reference's tokens rather than the
@@ -152,37 +154,52 @@ class Objective:
                     (rows,), topk_forward_kl(student, mb.replay_topk_logprobs[rows]))
                 loss = loss + self.replay_coef * aggregate(kl, mb.replay_mask, mb.cu_seqlens, mode,
                                                            global_denominator=denominator)
-                sums["replay_kl_sum"] = float((kl.detach() * mb.replay_mask).sum())
+                sums["replay_kl_sum"] = (kl.detach() * mb.replay_mask).sum()
             else:
                 loss = loss + self.replay_coef * nll_loss
-            sums["replay_nll_sum"] = float((nll * mb.replay_mask).sum())
-            sums["replay_tokens"] = float(mb.replay_mask.sum())
-        weight = float(m["trained_tokens"])
+            sums["replay_nll_sum"] = (nll.detach() * mb.replay_mask).sum()
+            sums["replay_tokens"] = mb.replay_mask.sum()
+        weight = m["trained_tokens"]
         for k, v in m.items():
             if k == "pg_loss":
-                sums[k] = float(v)
+                sums[k] = v.detach()
             elif k != "trained_tokens":
-                sums[k] = float(v) * weight
+                sums[k] = v.detach() * weight
         return loss, sums
 
 
+def host_floats(values: list) -> list[float]:
+    """``values`` (floats and device scalars) as floats, the scalars read in one transfer."""
+    scalars = [v.detach().float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(scalars).tolist() if scalars else ())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 class StepStats:
-    """Adds up per-micro-batch metric sums (from ``Objective.loss``) into the step's metrics."""
+    """Adds up per-micro-batch metric sums (from ``Objective.loss``) into the step's metrics. The sums
+    stay on the device until ``read`` brings them all over in one transfer."""
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.loss = 0.0
+        self.sums: dict[str, float | torch.Tensor] = {}
+        self.loss: float | torch.Tensor = 0.0
 
-    def add(self, loss: float, sums: dict[str, float]) -> None:
-        self.loss += loss
+    def add(self, loss: float | torch.Tensor, sums: dict[str, float | torch.Tensor]) -> None:
+        self.loss = self.loss + (loss.detach() if isinstance(loss, torch.Tensor) else loss)
         for k, v in sums.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
 
     def merge(self, other: "StepStats") -> None:
         self.add(other.loss, other.sums)
 
+    def read(self) -> "StepStats":
+        """Make every sum a float, with one wait on the device for all of them."""
+        keys = list(self.sums)
+        values = host_floats([self.loss, *(self.sums[k] for k in keys)])
+        self.loss, self.sums = values[0], dict(zip(keys, values[1:]))
+        return self
+
     def metrics(self, trained: float) -> dict[str, float]:
-        sums = dict(self.sums)
+        sums = dict(self.read().sums)
         out: dict[str, float] = {}
         topk_kl, topk_tokens = sums.pop("topk_kl_sum", None), sums.pop("topk_tokens", 0.0)
         hinted_nll, hinted_tokens = sums.pop("hinted_nll_sum", None), sums.pop("hinted_tokens", 0.0)

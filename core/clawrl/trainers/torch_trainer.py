@@ -62,7 +62,7 @@ from clawrl.trainers import compiled_layers, linear_attention, packed_attention
 from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
                                      trained_mask)
 from clawrl.trainers.master_weights import MasterWeights
-from clawrl.trainers.objective import FullLogits, Objective, StepStats, pi_old
+from clawrl.trainers.objective import FullLogits, Objective, StepStats, host_floats, pi_old
 from clawrl.trainers.replay import attach_replays
 
 log = logging.getLogger(__name__)
@@ -311,18 +311,21 @@ class TorchTrainer(Trainer):
         # no-grad pass, or (pi_old_from_loss_forward) from the loss's forward of each micro-batch below.
         olds: list[torch.Tensor | None] = [None] * len(batches)
         refs: list[torch.Tensor | None] = [None] * len(batches)
-        gaps, entropy_sum = [], 0.0
+        gaps, entropies = [], []
         if not self.pi_old_from_loss_forward:
             self.model.eval()
             with torch.no_grad():
                 for i, mb in enumerate(batches):
                     ops = FullLogits(self._logits(self.model, mb), mb.temperature, self.fused_logits)
                     olds[i], entropy, gap = pi_old(ops, mb)
-                    entropy_sum += entropy
+                    entropies.append(entropy)
                     gaps.append(gap)
                     refs[i] = self._reference_logprobs(mb) if self.objective.needs_reference else None
         trained = float(sum(float(mb.loss_mask.sum()) for mb in batches))
 
+        # The step queues end to end without waiting on the device: the metrics stay device scalars,
+        # and a non-finite loss or gradient norm is caught after the fact (_clip_and_step), where the
+        # host reads them all at once.
         self.model.train()
         self._zero_grad()
         stats = StepStats()
@@ -330,26 +333,25 @@ class TorchTrainer(Trainer):
             ops = FullLogits(self._logits(self.model, mb), mb.temperature, self.fused_logits)
             if old is None:  # pi_old is this forward's own logprobs, detached (the loss reads the same ones)
                 old, entropy, gap = pi_old(ops, mb)
-                entropy_sum += entropy
+                entropies.append(entropy)
                 gaps.append(gap)
             loss, sums = self.objective.loss(ops, mb, old, ref, denominator)
-            if not torch.isfinite(loss):
-                return self._skip(metrics, "nonfinite_loss")
             loss.backward()
             if self.masters:
                 self.masters.accumulate()
-            stats.add(float(loss.detach()), sums)
-        metrics["entropy"] = entropy_sum / max(trained, 1.0)
-        metrics["rollout_logprob_gap_max"] = float(torch.stack(gaps).max())
+            stats.add(loss, sums)
+        grad_norm, stepped = self._clip_and_step(torch.isfinite(stats.loss))
+        entropy, gap, grad_norm = host_floats([torch.stack(entropies).sum(), torch.stack(gaps).max(), grad_norm])
+        metrics["entropy"] = entropy / max(trained, 1.0)
+        metrics["rollout_logprob_gap_max"] = gap
         metrics.update(stats.metrics(trained))
-
-        clip = train_cfg.grad_clip if train_cfg.grad_clip > 0 else float("inf")
-        stepped = self.masters.master if self.masters else self.params
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(stepped, clip))
         metrics["grad_norm"] = grad_norm
+        if not math.isfinite(metrics["loss"]):
+            return self._skip(metrics, "nonfinite_loss")
         if not math.isfinite(grad_norm):
             return self._skip(metrics, "nonfinite_grad")
-        self.optimizer.step()
+        if not stepped:  # the fused step was queued, and skipped itself where the loss or norm was not finite
+            self.optimizer.step()
         if self.masters:
             self.masters.publish()
         self._zero_grad()
@@ -358,6 +360,26 @@ class TorchTrainer(Trainer):
         metrics.update(step=self.step, lr=self.optimizer.param_groups[0]["lr"],
                        step_seconds=time.perf_counter() - started)
         return StepResult(True, metrics, None)
+
+    def _clip_and_step(self, finite_loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The gradients' norm (a device scalar) and whether the optimizer has stepped already.
+
+        The fused AdamW (CUDA) takes the clip as its ``grad_scale`` (it divides each gradient by
+        ``max(norm / train.grad_clip, 1)`` as it reads it, which is the clip's own scaling, saving
+        the pass that rewrites every gradient) and skips the update, weight decay included, where
+        ``found_inf`` is set: the step is queued before the host knows whether the loss and the norm
+        were finite. Otherwise ``clip_grad_norm_`` scales the gradients and the caller steps once
+        both are known to be finite."""
+        clip = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else float("inf")
+        stepped = self.masters.master if self.masters else self.params
+        if not self.optimizer.defaults.get("fused"):
+            return torch.nn.utils.clip_grad_norm_(stepped, clip), False
+        norm = torch.nn.utils.get_total_norm([p.grad for p in stepped if p.grad is not None], foreach=True)
+        # clip_grad_norm_'s coefficient is clip / (norm + 1e-6), at most 1; this is its inverse
+        self.optimizer.grad_scale = ((norm + 1e-6) / clip).clamp(min=1.0)
+        self.optimizer.found_inf = (~(finite_loss & torch.isfinite(norm))).to(torch.float32)
+        self.optimizer.step()
+        return norm, True
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -44,7 +44,7 @@ from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sampl
 from clawrl.trainers import compiled_layers
 from clawrl.trainers.megatron import convert, foreach_kernels
 from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
-from clawrl.trainers.objective import FullLogits, Objective, StepStats, VocabOps, pi_old
+from clawrl.trainers.objective import FullLogits, Objective, StepStats, VocabOps, host_floats, pi_old
 
 log = logging.getLogger(__name__)
 # megatron-core warns once per import, in every rank, that apex/transformer-engine are missing; the
@@ -334,7 +334,7 @@ class MegatronRanks:
         # pass, or (pi_old_from_loss_forward) from the loss's forward of each micro-batch below.
         def old_info(ops: VocabOps, mb: MicroBatch) -> dict:
             old, entropy_sum, gap = pi_old(ops, mb)
-            return {"old": old, "entropy_sum": entropy_sum, "gap": float(gap)}
+            return {"old": old, "entropy_sum": entropy_sum, "gap": gap}
 
         old_infos: list[dict] = []
         self.model.eval()
@@ -362,7 +362,7 @@ class MegatronRanks:
                 old_infos.append(old_info(ops, mb))
                 old = old_infos[-1]["old"]
             loss, sums = self.objective.loss(ops, mb, old, refs[k], denominator)
-            stats.add(float(loss.detach()), sums)
+            stats.add(loss, sums)
             return loss * scale, {}
 
         self._run(self.model, mine, train_pass, forward_only=False)
@@ -372,8 +372,11 @@ class MegatronRanks:
             self.keep_grads_once = False
 
         # Metrics live on the last stage's first TP rank of each data-parallel rank: sum them.
-        local = (stats.loss, stats.sums,
-                 sum(i["entropy_sum"] for i in old_infos), max([i["gap"] for i in old_infos], default=0.0))
+        # (the device scalars read in one transfer)
+        entropy_sum, gap = host_floats([sum(i["entropy_sum"] for i in old_infos),
+                                        torch.stack([i["gap"] for i in old_infos]).max() if old_infos else 0.0])
+        stats.read()
+        local = (stats.loss, stats.sums, entropy_sum, gap)
         owner = self.last_stage and self.tp_rank == 0 and bool(per_rank[self.dp_rank])
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local if owner else None)
