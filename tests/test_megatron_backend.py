@@ -199,6 +199,43 @@ def test_the_torch_adam_fallback_is_switched_to_its_fused_form_with_the_same_upd
         torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
 
 
+def test_the_clip_goes_into_the_fused_adam_as_its_grad_scale_with_the_same_update():
+    """Where megatron's inner optimizers are the fused Adam, the backend clips through its grad_scale
+    instead of megatron's pass over the gradients: the same norm and weights as clip_grad_norm then a
+    step (a clip small enough to act; the for-each Adam takes megatron's own clip)."""
+    from clawrl.trainers.megatron.ranks import MegatronRanks
+
+    class Chained:  # megatron's ChainedOptimizer as the backend calls it: the norm, the clip, the parts
+        def __init__(self, inner):
+            self.chained_optimizers = [type("Part", (), {"optimizer": inner})()]
+            self.params = inner.param_groups[0]["params"]
+
+        def get_grad_norm(self):
+            return float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in self.params])))
+
+        def clip_grad_norm(self, clip):
+            return float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+
+    torch.manual_seed(0)
+    start = [torch.randn(7, 3), torch.randn(4)]
+    runs, norms = {}, {}
+    for fused in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        inner = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=fused or None)
+        chained = Chained(inner)
+        for step in range(3):
+            for p, t in zip(params, start):
+                p.grad = 3 * torch.sin(t * (step + 1))
+            norms[fused, step] = MegatronRanks.clip(chained, 0.5)
+            assert hasattr(inner, "grad_scale") == fused
+            inner.step()
+        runs[fused] = [p.detach() for p in params]
+    assert all(norms[True, k] == pytest.approx(norms[False, k]) and norms[True, k] > 1 for k in range(3))
+    for plain, fused in zip(runs[False], runs[True]):
+        torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-6)
+    assert MegatronRanks.clip(chained, 0) == pytest.approx(chained.get_grad_norm())  # no clip: the norm alone
+
+
 def test_foreach_norm_and_scale_replace_megatrons_per_tensor_fallbacks():
     """Without apex or transformer-engine the backend swaps in for-each kernels for megatron's
     gradient norm (its own fallback syncs the host once per tensor) and clip scaling: same results."""

@@ -214,6 +214,26 @@ class MegatronRanks:
                         if "step" in state and state["step"].device != p.device:
                             state["step"] = state["step"].to(p.device, torch.float32)
 
+    @staticmethod
+    def clip(optimizer, clip: float) -> float:
+        """The gradients' norm, taken once, and the clip to ``clip`` (0: none) applied. Where each inner
+        optimizer is torch's fused Adam (``_fuse_adam``, on a GPU), the clip goes in as its
+        ``grad_scale``: it divides each gradient by ``max(norm / clip, 1)`` as it reads it, which is
+        megatron's clip without its pass rewriting every float32 main gradient (3.8 ms of an H200
+        step at 8 x 2048). A non-finite norm clips nothing that is kept: the step is skipped."""
+        if clip <= 0:
+            return float(optimizer.get_grad_norm())
+        inners = [getattr(part, "optimizer", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+        if not all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in o.param_groups)
+                   for o in inners):
+            return float(optimizer.clip_grad_norm(clip))  # returns the norm it clipped by
+        norm = float(optimizer.get_grad_norm())
+        # megatron's (and torch's) clip coefficient is clip / (norm + 1e-6), at most 1: its inverse
+        scale = torch.tensor(max((norm + 1e-6) / clip, 1.0) if math.isfinite(norm) else 1.0)
+        for inner in inners:
+            inner.grad_scale = scale
+        return norm
+
     def _all_coords(self) -> list[tuple[int, int, int]]:
         """(pp, tp, dp) of every global rank, so any rank can find a parameter's owner."""
         coords = [None] * dist.get_world_size()
@@ -395,10 +415,7 @@ class MegatronRanks:
             return self._skip(metrics, "nonfinite_loss")
 
         self.optimizer.prepare_grads()
-        # one pass for the norm: clip_grad_norm returns the norm it clipped by (a non-finite norm
-        # clips nothing that is kept: the step is skipped and the gradients zeroed)
-        clip = self.train_cfg.grad_clip
-        grad_norm = float(self.optimizer.clip_grad_norm(clip) if clip > 0 else self.optimizer.get_grad_norm())
+        grad_norm = self.clip(self.optimizer, self.train_cfg.grad_clip)
         metrics["grad_norm"] = grad_norm
         if not math.isfinite(grad_norm):
             return self._skip(metrics, "nonfinite_grad")
