@@ -236,6 +236,34 @@ def test_the_clip_goes_into_the_fused_adam_as_its_grad_scale_with_the_same_updat
     assert MegatronRanks.clip(chained, 0) == pytest.approx(chained.get_grad_norm())  # no clip: the norm alone
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_table_rotates_exactly_as_megatrons_own_rotary_embedding(dtype):
+    """cos and sin computed once per forward (rope_table) give megatron's rotation bit for bit, with
+    its yarn scale and a partial rotary dimension; frequencies that are not a table go to megatron's
+    function unchanged."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    from clawrl.trainers.megatron import rope_table
+
+    rope_table.install()
+    rope_table.install()  # idempotent: one wrapper
+    wrapped = attention.apply_rotary_pos_emb
+    assert wrapped.takes_cos_sin_table and wrapped is not rope_utils.apply_rotary_pos_emb
+    torch.manual_seed(0)
+    t = torch.randn(12, 1, 4, 16).to(dtype)
+    for rot, mscale in ((16, 1.0), (8, 0.7)):
+        freqs = torch.randn(12, 1, 1, rot) * 3
+        megatrons = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, mscale=mscale)
+        assert torch.equal(wrapped(t, rope_table.table(freqs), None, None, mscale), megatrons)
+    config = type("Config", (), {"apply_rope_fusion": False, "multi_latent_attention": False, "mrope_section": None,
+                                 "rotary_interleaved": False})()
+    assert torch.equal(wrapped(t, freqs, config, None, 0.7, cp_group=object()), megatrons)  # passed through
+    assert rope_table.usable(config)
+    config.rotary_interleaved = True
+    assert not rope_table.usable(config)
+
+
 def test_foreach_norm_and_scale_replace_megatrons_per_tensor_fallbacks():
     """Without apex or transformer-engine the backend swaps in for-each kernels for megatron's
     gradient norm (its own fallback syncs the host once per tensor) and clip scaling: same results."""

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from clawrl.trainers import packed_attention
+from clawrl.trainers.megatron import rope_table
 from clawrl.trainers.megatron.convert import Arch
 
 
@@ -139,6 +140,9 @@ def packed_forward(gpt, input_ids: torch.Tensor, position_ids: torch.Tensor, seg
     positions = position_ids[0]
     table = gpt.rotary_pos_emb(int(positions.max()) + 1)  # [max_pos, 1, 1, head_dim]
     rotary = table.index_select(0, positions.to(table.device))
+    if rope_table.usable(gpt.config):  # cos and sin once for all layers (rope_table says why)
+        rope_table.install()
+        rotary = rope_table.table(rotary)
     if len(bounds) > 1 and not has_transformer_engine():
         cu = torch.tensor([0, *(end for _, end in bounds)], dtype=torch.int32)
         longest = max(end - start for start, end in bounds)
