@@ -224,8 +224,8 @@ class MegatronRanks:
         if clip <= 0:
             return float(optimizer.get_grad_norm())
         inners = [getattr(part, "optimizer", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
-        if not all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in o.param_groups)
-                   for o in inners):
+        if not inners or not all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and
+                                 all(g.get("fused") for g in o.param_groups) for o in inners):
             return float(optimizer.clip_grad_norm(clip))  # returns the norm it clipped by
         norm = float(optimizer.get_grad_norm())
         # megatron's (and torch's) clip coefficient is clip / (norm + 1e-6), at most 1: its inverse
