@@ -195,11 +195,12 @@ def build_micro_batch(samples: list[Sample], device: torch.device, topk: int = 0
         start = bounds[-1][1] if bounds else 0
         bounds.append((start, start + p + r))
         cu.append(cu[-1] + r)
-        chunks["input_ids"] += [np.asarray(prompt, np.int64), np.asarray(response, np.int64)]
+        targets = np.asarray(response, np.int64)
+        chunks["input_ids"] += [np.asarray(prompt, np.int64), targets]
         chunks["position_ids"].append(np.arange(p + r))
         chunks["segment"].append(np.full(p + r, len(bounds) - 1))
         chunks["logit_rows"].append(np.arange(start + p - 1, start + p + r - 1))  # logits at t predict token t + 1
-        chunks["targets"].append(np.asarray(response, np.int64))
+        chunks["targets"].append(targets)
         for name in wanted:
             dtype, absent = _PER_TOKEN[name]
             value, shape = values.get(name, absent), (r, widths[name]) if name in widths else (r,)

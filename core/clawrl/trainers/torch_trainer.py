@@ -58,7 +58,7 @@ from clawrl.losses.logits import DEFAULT_CHUNK
 from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.base import StepResult, Trainer, TrainerError
-from clawrl.trainers import compiled_layers, linear_attention, packed_attention
+from clawrl.trainers import compiled_layers, fused_clip, linear_attention, packed_attention
 from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
                                      trained_mask)
 from clawrl.trainers.master_weights import MasterWeights
@@ -372,11 +372,10 @@ class TorchTrainer(Trainer):
         both are known to be finite."""
         clip = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else float("inf")
         stepped = self.masters.master if self.masters else self.params
-        if not self.optimizer.defaults.get("fused"):
+        if not fused_clip.fused_adam(self.optimizer):
             return torch.nn.utils.clip_grad_norm_(stepped, clip), False
         norm = torch.nn.utils.get_total_norm([p.grad for p in stepped if p.grad is not None], foreach=True)
-        # clip_grad_norm_'s coefficient is clip / (norm + 1e-6), at most 1; this is its inverse
-        self.optimizer.grad_scale = ((norm + 1e-6) / clip).clamp(min=1.0)
+        self.optimizer.grad_scale = fused_clip.grad_scale(norm, clip)
         self.optimizer.found_inf = (~(finite_loss & torch.isfinite(norm))).to(torch.float32)
         self.optimizer.step()
         return norm, True

@@ -41,7 +41,7 @@ from clawrl.methods.registry import load_method
 from clawrl.samples import Sample
 from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
                                      trained_mask)
-from clawrl.trainers import compiled_layers
+from clawrl.trainers import compiled_layers, fused_clip
 from clawrl.trainers.megatron import convert, foreach_kernels
 from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
 from clawrl.trainers.objective import FullLogits, Objective, StepStats, VocabOps, host_floats, pi_old
@@ -224,12 +224,10 @@ class MegatronRanks:
         if clip <= 0:
             return float(optimizer.get_grad_norm())
         inners = [getattr(part, "optimizer", None) for part in getattr(optimizer, "chained_optimizers", [optimizer])]
-        if not inners or not all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and
-                                 all(g.get("fused") for g in o.param_groups) for o in inners):
+        if not inners or not all(fused_clip.fused_adam(o) for o in inners):
             return float(optimizer.clip_grad_norm(clip))  # returns the norm it clipped by
         norm = float(optimizer.get_grad_norm())
-        # megatron's (and torch's) clip coefficient is clip / (norm + 1e-6), at most 1: its inverse
-        scale = torch.tensor(max((norm + 1e-6) / clip, 1.0) if math.isfinite(norm) else 1.0)
+        scale = fused_clip.grad_scale(torch.tensor(norm if math.isfinite(norm) else 0.0), clip)
         for inner in inners:
             inner.grad_scale = scale
         return norm

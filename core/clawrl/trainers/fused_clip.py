@@ -1,0 +1,22 @@
+"""Gradient clipping inside torch's fused Adam, shared by both trainers.
+
+The fused AdamW divides each gradient by its ``grad_scale`` as it reads it. Set to the inverse of
+the clip coefficient, that is the clip itself, without the pass that rewrites every float32
+gradient first (3.8 ms of an H200 step of the 1.7B shape at 8 x 2048 tokens).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def fused_adam(optimizer) -> bool:
+    """Whether ``optimizer`` is torch's Adam or AdamW in its fused form in every parameter group (the
+    megatron backend switches the groups after construction, so ``defaults`` would not tell)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+def grad_scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
+    """The ``grad_scale`` that clips to ``clip``: ``clip_grad_norm_``'s (and megatron's) coefficient is
+    ``clip / (norm + 1e-6)``, at most 1; this is its inverse."""
+    return ((norm + 1e-6) / clip).clamp(min=1.0)
