@@ -34,3 +34,30 @@ def test_varlen_flash_equals_one_sdpa_call_per_sequence():
     packed_attention._varlen_ok[0] = True
     for a, b in zip(results[True], results[False]):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+
+def test_the_attention_operator_compiled_equals_the_eager_per_sequence_path():
+    """``causal_within`` inside a compiled function (one operator to dynamo, with the varlen flash
+    kernels forward and backward behind it) gives the eager per-sequence SDPA path's outputs and
+    gradients; other lengths and another sequence count reuse the graph."""
+    torch.manual_seed(1)
+    heads, kv, d = 16, 8, 128
+    compiled = torch.compile(lambda q, k, v, offsets: packed_attention.causal_within(q * 1, k, v, offsets, None),
+                             dynamic=True)
+    for n, bounds in enumerate((((0, 700), (700, 701), (701, 2048)), ((0, 1000), (1000, 1900)))):
+        L = bounds[-1][1]
+        q, k, v = (torch.randn(L, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for h in (heads, kv, kv))
+        grad = torch.randn(L, heads, d, device="cuda", dtype=torch.bfloat16)
+        offsets = packed_attention.bounds_arg(bounds)
+        with torch._dynamo.config.patch(error_on_recompile=n > 0):
+            out = compiled(q, k, v, offsets)
+        assert packed_attention._varlen_ok[0]  # flash ran, and did not fall back
+        results = [(out.detach(), *torch.autograd.grad(out, (q, k, v), grad))]
+        packed_attention._varlen_ok[0] = False  # eager: one SDPA call per sequence
+        out = packed_attention.causal_within(q, k, v, offsets, None)
+        results.append((out.detach(), *torch.autograd.grad(out, (q, k, v), grad)))
+        packed_attention._varlen_ok[0] = True
+        for a, b in zip(*results):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)

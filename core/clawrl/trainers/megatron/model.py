@@ -76,9 +76,9 @@ def sdpa_core_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SdpaCoreAttention(DotProductAttention):
-        # opaque to a layer compiled whole (train.compile_scope=layer): it reads the packed bounds back
-        # to the host, and runs eagerly between the layer's graphs
-        @torch.compiler.disable
+        # traceable by a layer compiled whole (train.compile_scope=layer): the packed path is one
+        # operator to dynamo (packed_attention.causal_within), so no graph break falls inside megatron's
+        # activation-offloading context around this call, where dynamo could not resume the layer's graph
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             if attention_bias is not None:
@@ -86,14 +86,14 @@ def sdpa_core_attention():
             if packed_seq_params is not None and packed_seq_params.qkv_format != "sbhd":
                 raise ValueError(f"SdpaCoreAttention packs in the sbhd layout, not {packed_seq_params.qkv_format}")
             seq, batch = query.shape[0], query.shape[1]
+            if packed_seq_params is not None:  # one row (batch 1) of sequences end to end: [s, 1, heads, d]
+                out = packed_attention.causal_within(query[:, 0], key[:, 0], value[:, 0],
+                                                     packed_seq_params.cu_seqlens_q, self.softmax_scale)
+                return out.reshape(seq, batch, -1)
+            # a key/value head serves its group's query heads, which are contiguous: read in place
+            # (grouped-query attention), no repeated copy of keys and values
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-            # a key/value head serves its group's query heads, which are contiguous: both paths read
-            # them in place (grouped-query attention), no repeated copy of keys and values
             gqa = k.shape[1] != q.shape[1]
-            if packed_seq_params is not None:  # one row (batch 1) of sequences end to end
-                lengths = packed_seq_params.cu_seqlens_q.diff().tolist()
-                out = packed_attention.causal_within(q, k, v, lengths, self.softmax_scale)  # [1, s, heads, d]
-                return out.transpose(0, 1).reshape(seq, batch, -1)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
                 is_causal=attention_mask is None, scale=self.softmax_scale,

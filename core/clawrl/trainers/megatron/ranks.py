@@ -42,7 +42,7 @@ from clawrl.samples import Sample
 from clawrl.trainers.batching import (MicroBatch, build_micro_batch, check_sample, pack, sample_metrics,
                                      trained_mask)
 from clawrl.trainers import compiled_layers, fused_clip
-from clawrl.trainers.megatron import convert, foreach_kernels
+from clawrl.trainers.megatron import convert, foreach_kernels, one_graph
 from clawrl.trainers.megatron.model import build_gpt, layer_spec_kind, packed_forward, transformer_config
 from clawrl.trainers.objective import FullLogits, Objective, StepStats, VocabOps, host_floats, pi_old
 
@@ -137,6 +137,8 @@ class MegatronRanks:
         # transformer-engine's spec, never run here, its parts only), and the passes over the logits at
         # tp=1 (FullLogits). BENCHMARKS.md has what each saves.
         self.fused_logits = compiled_layers.wanted(cfg.train.compile, self.device)
+        if self.fused_logits:
+            one_graph.install()
         self.compiled = compiled_layers.compile_megatron_layers(
             self.gpt, "parts" if self.te else cfg.train.compile_scope) if self.fused_logits else 0
         self.ref_gpt = None
