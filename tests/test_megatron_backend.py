@@ -236,6 +236,67 @@ def test_the_clip_goes_into_the_fused_adam_as_its_grad_scale_with_the_same_updat
     assert MegatronRanks.clip(chained, 0) == pytest.approx(chained.get_grad_norm())  # no clip: the norm alone
 
 
+
+def _queued_rank(rank, port, cfg, model_path, samples, out):
+    import os
+
+    import torch.distributed as dist
+
+    from clawrl.trainers.megatron.ranks import MegatronRanks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        result = {}
+        for fused in (False, True):
+            ranks = MegatronRanks(cfg, model_path)
+            if fused:  # what a GPU gets; CPU has the fused Adam too
+                MegatronRanks._fuse_adam(ranks.optimizer)
+            step = ranks.train_step(samples, 0)
+            result[fused] = {"ok": step["ok"], "grad_norm": step["metrics"]["grad_norm"], "weights": ranks.hf_state()}
+        inner = ranks.optimizer.chained_optimizers[0].optimizer
+        moments = [inner.state[p]["exp_avg"].clone() for g in inner.param_groups for p in g["params"]]
+        loss = ranks.objective.loss
+        # an infinite loss whose gradients are finite: only the loss's own check can stop the step
+        ranks.objective.loss = lambda *a: (lambda out: (out[0] + float("inf"), out[1]))(loss(*a))
+        step = ranks.train_step(samples, 1)
+        after = [inner.state[p]["exp_avg"] for g in inner.param_groups for p in g["params"]]
+        result["inf"] = {"step": step, "weights": ranks.hf_state(), "moments_kept": all(
+            torch.equal(a, b) for a, b in zip(after, moments)), "counts": {int(inner.state[p]["step"])
+                                                                          for g in inner.param_groups
+                                                                          for p in g["params"]}}
+        torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_queues_its_fused_step_with_the_same_update_and_undoes_it_on_a_non_finite_loss(qwen2_dir, tmp_path):
+    """One rank with the fused Adam: the norm, the clip and the step are queued before the host reads
+    the loss (``_queue_step``). The same norm and weights as megatron's own norm, clip and step (a
+    clip small enough to act); and an infinite loss with finite gradients leaves weights, moments and
+    step counts as they were, reported as a skipped step."""
+    import torch.multiprocessing as mp
+
+    from clawrl.trainers.megatron.parity import free_port, synthetic_batch
+
+    cfg = compose(["train.lr=1e-3", "train.grad_clip=0.05"])
+    samples = synthetic_batch(convert.read_arch(qwen2_dir).vocab, n=3, pad_id=0)
+    out = tmp_path / "queued.pt"
+    mp.start_processes(_queued_rank, args=(free_port(), cfg, str(qwen2_dir), samples, str(out)), nprocs=1,
+                       join=True, start_method="spawn")
+    result = torch.load(out, weights_only=False)
+    plain, queued = result[False], result[True]
+    assert plain["ok"] and queued["ok"] and queued["grad_norm"] > 0.05
+    assert queued["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    for name, tensor in plain["weights"].items():
+        torch.testing.assert_close(queued["weights"][name], tensor, atol=1e-6, rtol=1e-5)
+    skipped = result["inf"]
+    assert not skipped["step"]["ok"] and skipped["step"]["skipped_reason"] == "nonfinite_loss"
+    assert skipped["moments_kept"] and skipped["counts"] == {1}
+    for name, tensor in queued["weights"].items():
+        assert torch.equal(skipped["weights"][name], tensor), name
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rope_table_rotates_exactly_as_megatrons_own_rotary_embedding(dtype):
     """cos and sin computed once per forward (rope_table) give megatron's rotation bit for bit, with

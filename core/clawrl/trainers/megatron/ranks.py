@@ -391,6 +391,9 @@ class MegatronRanks:
             self.kept_grads = {n: t.cpu() for n, t in self.iter_hf_weights(grads=True)}
             self.keep_grads_once = False
 
+        self.optimizer.prepare_grads()
+        queued = self._queue_step(stats)  # one rank: the norm, the clip and the step, before any host read
+
         # Metrics live on the last stage's first TP rank of each data-parallel rank: sum them.
         # (the device scalars read in one transfer)
         entropy_sum, gap = host_floats([sum(i["entropy_sum"] for i in old_infos),
@@ -398,8 +401,10 @@ class MegatronRanks:
         stats.read()
         local = (stats.loss, stats.sums, entropy_sum, gap)
         owner = self.last_stage and self.tp_rank == 0 and bool(per_rank[self.dp_rank])
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local if owner else None)
+        gathered = [local if owner else None]
+        if dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local if owner else None)
         total, entropy_sum, gap = StepStats(), 0.0, 0.0
         for item in gathered:
             if item is not None:
@@ -411,19 +416,42 @@ class MegatronRanks:
         metrics["entropy"] = entropy_sum / max(trained, 1.0)
         metrics["rollout_logprob_gap_max"] = gap
         metrics.update(total.metrics(trained))
-        if not math.isfinite(total.loss):
+        if queued is not None:
+            metrics["grad_norm"] = float(queued)
+        if not math.isfinite(total.loss):  # a queued step skipped itself (found_inf)
             return self._skip(metrics, "nonfinite_loss")
-
-        self.optimizer.prepare_grads()
-        grad_norm = self.clip(self.optimizer, self.train_cfg.grad_clip)
-        metrics["grad_norm"] = grad_norm
-        if not math.isfinite(grad_norm):
+        if queued is None:
+            metrics["grad_norm"] = self.clip(self.optimizer, self.train_cfg.grad_clip)
+        if not math.isfinite(metrics["grad_norm"]):
             return self._skip(metrics, "nonfinite_grad")
-        self.optimizer.step_with_ready_grads()
+        if queued is None:
+            self.optimizer.step_with_ready_grads()
         self.step += 1
         self.bad_steps = 0
         metrics.update(step=self.step, lr=self.train_cfg.lr, step_seconds=time.perf_counter() - started)
         return {"ok": True, "metrics": metrics, "skipped_reason": None}
+
+    def _queue_step(self, stats: StepStats) -> torch.Tensor | None:
+        """On a world of one rank whose inner optimizers are all the fused Adam: the gradients' norm
+        (a device scalar, returned), the clip as the Adam's ``grad_scale``, and the step, all queued
+        without waiting for the device, as the torch trainer steps. The Adam skips its update where
+        ``found_inf`` is set: a loss or norm that is not finite, which the host learns afterwards and
+        reports as a skipped step. With one rank, no gradient is shared or split, so the norm over the
+        inner optimizers' main gradients is megatron's ``get_grad_norm``, without its host read. None
+        elsewhere: the caller clips and steps after reading the norm (``clip``)."""
+        inners = [getattr(part, "optimizer", None)
+                  for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        if dist.get_world_size() > 1 or not inners or not all(fused_clip.fused_adam(o) for o in inners):
+            return None
+        grads = [p.grad for o in inners for g in o.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        clip = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else float("inf")
+        loss = stats.loss if isinstance(stats.loss, torch.Tensor) else torch.tensor(stats.loss, device=norm.device)
+        found_inf = (~(torch.isfinite(loss) & torch.isfinite(norm))).to(torch.float32)
+        for inner in inners:
+            inner.grad_scale, inner.found_inf = fused_clip.grad_scale(norm, clip), found_inf
+        self.optimizer.step_with_ready_grads()
+        return norm
 
     def _skip(self, metrics: dict, reason: str) -> dict:
         self.model.zero_grad_buffer()
