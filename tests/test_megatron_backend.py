@@ -297,6 +297,49 @@ def test_one_rank_queues_its_fused_step_with_the_same_update_and_undoes_it_on_a_
     for name, tensor in queued["weights"].items():
         assert torch.equal(skipped["weights"][name], tensor), name
 
+
+def _compiled_rank(rank, port, cfg, model_path, batches, out):
+    import os
+
+    import torch.distributed as dist
+
+    from clawrl.trainers.megatron.ranks import MegatronRanks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        ranks = MegatronRanks(cfg, model_path)
+        torch._dynamo.utils.counters.clear()
+        oks = [ranks.train_step(batches[0], 0)["ok"]]
+        with torch._dynamo.config.patch(error_on_recompile=True):  # other lengths, another sample count
+            oks.append(ranks.train_step(batches[1], 1)["ok"])
+        torch.save({"ok": oks, "compiled": ranks.compiled,
+                    "breaks": dict(torch._dynamo.utils.counters["graph_break"])}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_megatron_layer_compiled_whole_is_one_graph(qwen2_dir, tmp_path):
+    """train.compile_scope=layer on megatron's local spec: no graph break in a layer. Megatron calls its
+    core attention (``SdpaCoreAttention``, the packed operator) and its output projection inside
+    activation-offloading contexts, where dynamo cannot resume after a break: one break there had left
+    most of each layer eager (``one_graph``). Other lengths compile nothing new."""
+    import torch.multiprocessing as mp
+
+    from clawrl.trainers.megatron.parity import free_port, synthetic_batch
+
+    cfg = compose(["train.compile=on", "train.compile_scope=layer", "train.lr=1e-3"])
+    vocab = convert.read_arch(qwen2_dir).vocab
+    batches = [synthetic_batch(vocab, n=4, pad_id=0), synthetic_batch(vocab, n=3, pad_id=0, seed=5)]
+    out = tmp_path / "compiled.pt"
+    mp.start_processes(_compiled_rank, args=(free_port(), cfg, str(qwen2_dir), batches, str(out)), nprocs=1,
+                       join=True, start_method="spawn")
+    result = torch.load(out, weights_only=False)
+    assert result["ok"] == [True, True] and result["compiled"] == convert.read_arch(qwen2_dir).layers
+    assert not result["breaks"], result["breaks"]
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rope_table_rotates_exactly_as_megatrons_own_rotary_embedding(dtype):
     """cos and sin computed once per forward (rope_table) give megatron's rotation bit for bit, with

@@ -69,6 +69,8 @@ def test_cuda_step_in_bf16_and_push_to_a_bf16_engine(model_dir, lora, param_dtyp
     assert result.metrics["rollout_logprob_gap_mean"] < 0.05  # bf16 engine vs bf16-autocast trainer
     assert probe.weight_version == 1
     served = trainer.logprobs(samples[:1])[0]
-    assert max(abs(a - b) for a, b in zip(probe.logprobs, served)) < 0.1
+    # the eager bf16 engine against the trainer's compiled layers, each one graph with attention inside
+    # since a633723, which rounds differently: 0.102 in the LoRA case on an H100 (BENCHMARKS.md)
+    assert max(abs(a - b) for a, b in zip(probe.logprobs, served)) < 0.15
     moved = max(abs(a - b) for a, b in zip(probe.logprobs, samples[0].rollout_logprobs))
     assert moved > 0.01

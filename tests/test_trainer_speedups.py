@@ -224,10 +224,11 @@ def test_full_logits_give_logprobs_and_entropy_in_one_pass_and_the_loss_reads_th
 
 
 def test_layers_compiled_whole_take_the_same_step_and_new_lengths_compile_nothing(model_dir):
-    """train.compile_scope=layer: the same numbers as eager; and since the packed bounds reach the
-    (eager) attention as a tensor, a second step with other lengths and another sample count
-    reuses the first step's graphs."""
+    """train.compile_scope=layer: the same numbers as eager; each layer is one graph (the packed
+    attention is an operator inside it, not a graph break); and since the packed bounds reach it as a
+    tensor, a second step with other lengths and another sample count reuses the first step's graphs."""
     first, second = make_samples(400, n=4, seed=11), make_samples(400, n=3, seed=12)
+    torch._dynamo.utils.counters.clear()
     assert sorted(len(s.response_ids) for s in first) != sorted(len(s.response_ids) for s in second)
     results = {}
     for mode in ("off", "on"):
@@ -240,6 +241,7 @@ def test_layers_compiled_whole_take_the_same_step_and_new_lengths_compile_nothin
         with torch._dynamo.config.patch(error_on_recompile=mode == "on"):
             results[mode, 2] = trainer.train_step(second, weight_version=1)
         assert results[mode, 2].ok
+    assert not torch._dynamo.utils.counters["graph_break"]
     for key in ("loss", "entropy", "grad_norm"):
         assert results["on"].metrics[key] == pytest.approx(results["off"].metrics[key], rel=1e-4), key
         assert results["on", 2].metrics[key] == pytest.approx(results["off", 2].metrics[key], rel=1e-3), key

@@ -81,6 +81,9 @@ def causal_within(query, key, value, offsets: torch.Tensor, scaling: float | Non
     (``clawrl::causal_within``) to dynamo, so a layer compiled whole keeps attention inside its graph
     instead of breaking around it; eager elsewhere, autograd runs through SDPA itself."""
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    if torch.is_autocast_enabled(query.device.type):  # what autocast does for SDPA: all three in its dtype
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     if _flash_ok(query) or torch.compiler.is_compiling():
         return _causal_within(query.contiguous(), key.contiguous(), value.contiguous(), offsets, scale)[0]
     return _per_sequence(query, key, value, offsets.diff().tolist(), scale)
