@@ -10,19 +10,19 @@ Two scopes (``train.compile_scope``), and ``auto`` to pick one:
 - ``parts``: each layer's norms and MLP. They see only an activation tensor whose token count is
   marked dynamic, so one compilation serves every step; the first steps pay for it.
 - ``layer``: each decoder layer whole, which also fuses rotary, the residual adds and the casts
-  around attention. Attention itself stays eager (``packed_attention_forward`` is opaque to dynamo,
-  a graph break inside the layer), and the packed sequences' bounds reach it as a CPU tensor of
-  symbolic size, not a tuple dynamo would guard on by value, so new sample lengths compile nothing.
-  On one H200 at the Qwen3-1.7B shape, 8 x 2048 tokens, it is 1.38x the plain HF loop against the
-  parts scope's 1.25x, at the same peak memory (BENCHMARKS.md).
+  around attention. Attention is one operator inside the layer's graph (``clawrl::causal_within``,
+  the varlen flash kernels behind it; no graph break), and the packed sequences' bounds reach it as
+  a CPU tensor of symbolic size, not a tuple dynamo would guard on by value, so new sample lengths
+  compile nothing. On one H200 at the Qwen3-1.7B shape, 8 x 2048 tokens, it was 1.38x the plain HF
+  loop against the parts scope's 1.25x, at the same peak memory (BENCHMARKS.md).
 - ``auto`` (the default): ``layer`` for an attention-only model; ``parts`` for a hybrid, whose
   linear-attention layers train on HF's pure-torch delta rule where fla's backward is refused: a
   Python loop over chunks that a whole-layer graph would unroll and recompile per sequence length.
 
 The megatron backend (``compile_megatron_layers``) takes the same scopes on megatron-core's local
-layer spec. Whole, a ``TransformerLayer`` compiles around its core attention (``SdpaCoreAttention``
-is opaque to dynamo like ``packed_attention_forward``; it reads the packed bounds from
-``PackedSeqParams`` eagerly), so the QKV split, q/k norms, rotary, residual adds and MLP fuse.
+layer spec. Whole, a ``TransformerLayer`` is one graph too: its core attention (``SdpaCoreAttention``)
+calls the same operator, and ``megatron.one_graph`` removes the one other break, so the QKV split,
+q/k norms, rotary, attention, residual adds and MLP run as one compiled region.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _compile(layers, scope: str, parts: tuple[str, ...], what: str) -> int:
     if scope == "layer":
         for layer in layers:
             layer.compile(dynamic=True)
-        log.info("train.compile: %d %s compiled whole (attention eager between their graphs); the first train "
+        log.info("train.compile: %d %s compiled whole (attention inside their graphs); the first train "
                  "steps compile them", len(layers), what)
         return len(layers)
     count = _compile_parts(layers, parts)

@@ -7,7 +7,9 @@ over the whole row (O(L^2) in the *total* length, so eight 2048-token samples co
 an attention function registered with transformers (``AttentionInterface``) that receives the
 sequences' bounds as a keyword the model passes down to every attention call, and runs SDPA with
 ``is_causal=True`` on each sequence's slice -- exactly what each sequence would compute alone, with
-the fast kernels and no mask.
+the fast kernels and no mask. On a GPU in half precision, and inside any compiled layer, that is
+one operator, ``clawrl::causal_within``: torch's variable-length flash kernels forward and backward
+on a GPU, and to dynamo a single node, so a layer compiled whole stays one graph.
 
 Models whose attention is not dispatched through ``AttentionInterface`` (old remote code) never
 call it; ``enable`` then says so and the trainer keeps the dense mask. Called without the bounds
