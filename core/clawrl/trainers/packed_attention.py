@@ -109,10 +109,10 @@ def _flash_failed(e: Exception) -> None:
 def _causal_within(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``causal_within``'s operator: the output ``[L, H, D]`` and each row's log-sum-exp ``[H, L]``
-    (float32 for half-precision inputs), which the backward reads. All sequences in one call of torch's own variable-length
-    flash attention (FlashAttention-2, GQA native), so a micro-batch of many sequences costs one kernel
-    per layer, not one (and its host overhead) per sequence. The offsets are read on the host, inside
-    the operator, where a compiled graph never sees their values."""
+    (float32 for half-precision inputs), which the backward reads. All sequences in one call of
+    torch's own variable-length flash attention (FlashAttention-2, GQA native), so a micro-batch of
+    many sequences costs one kernel per layer, not one (and its host overhead) per sequence. The
+    offsets are read on the host, inside the operator, where a compiled graph never sees their values."""
     lengths = offsets.diff().tolist()
     if _flash_ok(query):
         try:
