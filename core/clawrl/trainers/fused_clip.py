@@ -20,3 +20,16 @@ def grad_scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
     """The ``grad_scale`` that clips to ``clip``: ``clip_grad_norm_``'s (and megatron's) coefficient is
     ``clip / (norm + 1e-6)``, at most 1; this is its inverse."""
     return ((norm + 1e-6) / clip).clamp(min=1.0)
+
+
+def arm(optimizers, grads: list[torch.Tensor], clip: float, finite_loss: torch.Tensor) -> torch.Tensor:
+    """Ready each fused ``optimizers``' next step without a host read, and return the norm of
+    ``grads`` (a device scalar): its ``grad_scale`` clips to ``clip`` (0 or less: no clip), and its
+    ``found_inf`` makes it skip the update, weight decay and step count included, where the loss
+    (``finite_loss`` False) or the norm is not finite."""
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    scale = grad_scale(norm, clip if clip > 0 else float("inf"))
+    found_inf = (~(finite_loss & torch.isfinite(norm))).to(torch.float32)
+    for optimizer in optimizers:
+        optimizer.grad_scale, optimizer.found_inf = scale, found_inf
+    return norm

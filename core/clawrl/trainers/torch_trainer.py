@@ -374,9 +374,8 @@ class TorchTrainer(Trainer):
         stepped = self.masters.master if self.masters else self.params
         if not fused_clip.fused_adam(self.optimizer):
             return torch.nn.utils.clip_grad_norm_(stepped, clip), False
-        norm = torch.nn.utils.get_total_norm([p.grad for p in stepped if p.grad is not None], foreach=True)
-        self.optimizer.grad_scale = fused_clip.grad_scale(norm, clip)
-        self.optimizer.found_inf = (~(finite_loss & torch.isfinite(norm))).to(torch.float32)
+        norm = fused_clip.arm([self.optimizer], [p.grad for p in stepped if p.grad is not None],
+                              self.train_cfg.grad_clip, finite_loss)
         self.optimizer.step()
         return norm, True
 

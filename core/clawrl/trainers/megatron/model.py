@@ -144,7 +144,7 @@ def packed_forward(gpt, input_ids: torch.Tensor, position_ids: torch.Tensor, seg
         rope_table.install()
         rotary = rope_table.table(rotary)
     if len(bounds) > 1 and not has_transformer_engine():
-        cu = torch.tensor([0, *(end for _, end in bounds)], dtype=torch.int32)
+        cu = packed_attention.bounds_arg(bounds)  # the offsets causal_within reads
         longest = max(end - start for start, end in bounds)
         packing = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                   max_seqlen_kv=longest)

@@ -444,12 +444,8 @@ class MegatronRanks:
         if dist.get_world_size() > 1 or not inners or not all(fused_clip.fused_adam(o) for o in inners):
             return None
         grads = [p.grad for o in inners for g in o.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        clip = self.train_cfg.grad_clip if self.train_cfg.grad_clip > 0 else float("inf")
-        loss = stats.loss if isinstance(stats.loss, torch.Tensor) else torch.tensor(stats.loss, device=norm.device)
-        found_inf = (~(torch.isfinite(loss) & torch.isfinite(norm))).to(torch.float32)
-        for inner in inners:
-            inner.grad_scale, inner.found_inf = fused_clip.grad_scale(norm, clip), found_inf
+        norm = fused_clip.arm(inners, grads, self.train_cfg.grad_clip, torch.isfinite(torch.as_tensor(
+            stats.loss, device=self.device)))
         self.optimizer.step_with_ready_grads()
         return norm
 
