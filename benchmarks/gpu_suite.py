@@ -130,18 +130,25 @@ async def clawrl_decode(eng: TorchEngine, prompts: list[list[int]], new: int, gr
     return len(prompts) * new / dt
 
 
-async def run_decode(model, lm, args, streams, prompt_len, new, repeat) -> dict:
-    vocab = model.config.vocab_size
+def random_prompts(vocab: int):
+    """``n`` prompts of random ids, ``length`` each (the random-weights shapes have no text)."""
+    return lambda n, length: torch.randint(0, vocab, (n, length)).tolist()
+
+
+async def run_decode(model, lm, args, streams, prompt_len, new, repeat, prompts_for=None) -> dict:
+    """clawrl against HF ``generate`` at each stream count; ``prompts_for(n, length)`` gives the
+    prompts (default: random ids), all of one length, so HF needs no padding."""
+    prompts_for = prompts_for or random_prompts(model.config.vocab_size)
     with torch.no_grad():  # gpu_baselines' warm-up
-        model.generate(torch.randint(0, vocab, (2, prompt_len), device=lm.device), max_new_tokens=8,
+        model.generate(torch.tensor(prompts_for(2, prompt_len), device=lm.device), max_new_tokens=8,
                        do_sample=True, min_new_tokens=8)
     eng = TorchEngine(lm, EngineConfig(max_batch_size=max(streams), decode_attention=args.decode_attention))
     await eng.start()
     out = {}
     try:
         for n in streams:
-            prompt = torch.randint(0, vocab, (n, prompt_len), device=lm.device)
-            ids = prompt.tolist()
+            ids = prompts_for(n, prompt_len)
+            prompt = torch.tensor(ids, device=lm.device)
             await clawrl_decode(eng, ids, new, greedy=False)  # warm-up: graph captures for these shapes
             sampled, greedy, hf = [], [], []
             for _ in range(repeat):
@@ -397,12 +404,17 @@ async def serve_http(eng: TorchEngine, url: str, model_name: str, convs_file: Pa
     return serving_summary(d["rows"], d["wall_s"], time.process_time() - cpu, lag.mean_ms())
 
 
-async def run_serving(model, lm, args, streams, prompt_len, new, repeat) -> dict:
+async def run_serving(model, lm, args, streams, prompt_len, new, repeat, temperature: float = 1.0) -> dict:
     """Concurrent chats through the gateway (uvicorn + FastAPI + SSE + the turn store) against the
-    same prompts through the engine directly, in the same process and on the same engine."""
+    same prompts through the engine directly, in the same process and on the same engine. A model
+    loaded with its own tokenizer (a real one) serves as it is, greedy at ``temperature=0``, and
+    stops where it stops; a random one is made to speak the embedded tokenizer and runs to ``new``."""
     work = Path(tempfile.mkdtemp(prefix="gpu-serving-"))
-    tok = chat_tokenizer(args.tokenizer, work)
-    speak_tokenizer(model, min(len(tok), model.config.vocab_size))
+    if lm.tokenizer is None:
+        tok = chat_tokenizer(args.tokenizer, work)
+        speak_tokenizer(model, min(len(tok), model.config.vocab_size))
+    else:
+        tok = lm.tokenizer
     slm = LoadedModel(**{**vars(lm), "tokenizer": tok})
     cfg = compose([f"run_dir={work / 'run'}", f"engine.max_batch_size={max(streams)}",
                    f"server.max_queue={4 * max(streams)}", f"engine.decode_attention={args.decode_attention}"])
@@ -424,7 +436,7 @@ async def run_serving(model, lm, args, streams, prompt_len, new, repeat) -> dict
             convs_file = work / f"convs_{n}.json"
             convs_file.write_text(json.dumps(convs))
             reqs = [parse_chat_request({"model": gw.model_name, "messages": m, "max_tokens": new,
-                                        "temperature": 1.0, "top_p": 1.0, "stream": True}) for m in convs]
+                                        "temperature": temperature, "top_p": 1.0, "stream": True}) for m in convs]
             prompts = [render_prompt(tok, r, gw.max_context, False).ids for r in reqs]
             params = [gw.sampling(r, len(ids)) for r, ids in zip(reqs, prompts)]  # as the gateway makes them
             await serve_direct(eng, prompts, params)  # warm-up: graph captures for these shapes
@@ -433,9 +445,10 @@ async def run_serving(model, lm, args, streams, prompt_len, new, repeat) -> dict
                 direct.append(await serve_direct(eng, prompts, params))
                 http.append(await serve_http(eng, url, gw.model_name, convs_file, new))
                 generate.append(await serve_generate(eng, prompts, params))
-            for d in direct + http:
-                if d["tokens"] != n * new:
-                    raise RuntimeError(f"{d['tokens']} tokens came back, not {n} x {new}")
+            for d in direct + http:  # a real model stops at its own end of turn: greedy, the same ones each run
+                expected = n * new if lm.tokenizer is None else direct[0]["tokens"]
+                if d["tokens"] != expected:
+                    raise RuntimeError(f"{d['tokens']} tokens came back, not {expected}")
             d = sorted(direct, key=lambda x: x["tok_s"])[len(direct) // 2]  # the median run by throughput
             h = sorted(http, key=lambda x: x["tok_s"])[len(http) // 2]
             out[f"chats_{n}"] = {
@@ -522,6 +535,10 @@ def table(results: dict) -> str:
         from gpu_hybrid import hybrid_table
 
         lines += hybrid_table(results["hybrid"])
+    if results.get("real"):
+        from gpu_real_model import real_table
+
+        lines += real_table(results["real"])
     serving = [k for k in results if k == "serving" or k.startswith("serving_")]
     if serving:
         lines += ["", "| concurrent chats | gateway tok/s | engine direct tok/s | gateway / direct "
@@ -538,8 +555,10 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "sync", "staleness", "hybrid", "all"),
-                    default="all")
+    ap.add_argument("--part", choices=("decode", "prefill", "serving", "train", "sync", "staleness", "hybrid", "real",
+                                       "all"), default="all")
+    ap.add_argument("--model-dir", default=None,
+                    help="--part real: an HF model directory or a fetched model's name (clawrl model get)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="model shape (default: qwen3-1.7b on a GPU, tiny on a CPU)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
@@ -589,7 +608,11 @@ def main(argv=None) -> int:
         def words(model_dir: Path) -> None:
             save_tokenizer(train_tokenizer(["the model has random weights"] * 8, vocab_size=300), model_dir, 8192)
         results["hybrid"] = {**run_hybrid(build_model, shape, device, args.repeat, words), **stamp, "shape": shape}
-    if args.part in ("train", "sync", "staleness", "hybrid"):
+    if args.part == "real":  # not in "all": a real model directory, which the device must be given
+        from gpu_real_model import run_real
+
+        results["real"] = {**run_real(args, run_decode, run_serving), **stamp}
+    if args.part in ("train", "sync", "staleness", "hybrid", "real"):
         return write_results(out, results, stamp, shape, t0)
     model = build_model(shape, device)
     lm = served(model, shape)
