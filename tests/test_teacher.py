@@ -257,7 +257,8 @@ def test_hinted_sample_is_the_teachers_own_reply_under_the_hint_stored_with_the_
 
     expected = asyncio.run(greedy())
     assert rec["hinted_ids"] == expected.token_ids and 1 <= len(rec["hinted_ids"]) <= 6
-    assert rec["hinted_logprobs"] == pytest.approx(expected.logprobs, abs=1e-6)
+    # the ids are exact; logprobs differ by fp32 noise between batch shapes (2.9e-6 seen in CI)
+    assert rec["hinted_logprobs"] == pytest.approx(expected.logprobs, abs=2e-5)
     n = len(OpdStore(store).turn(t1)["response_ids"])
     s = Sample(1, t1, "g", [], [1] * n, [0.0] * n, [0] * n, 0.0, 0.0)
     assert OpdStore(store).attach([s], hinted=True) == 1
