@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import sqlite3
+import subprocess
 import time
 
 import httpx
@@ -256,3 +258,37 @@ def test_a_full_disk_pauses_checkpointing_and_training_answers_507_and_everythin
         assert len(turns) == 13  # six interactions of two turns, and the one after space came back
     finally:
         stored.close()
+
+
+def mounted_tmpfs(path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_on_a_real_full_tmpfs_a_checkpoint_fails_cleanly_and_saves_once_there_is_room(model_dir, tmp_path):
+    from required_tools import skip_unless_available
+
+    run = tmp_path / "run"
+    skip_unless_available("tmpfs", "mounting a tmpfs needs root", available=mounted_tmpfs(run, "64m"))
+    try:
+        cfg = compose(["model.device=cpu", "train.save_every=1"])
+        trainer = TorchTrainer(cfg, str(model_dir))
+        store = CheckpointStore(run, cfg.train)
+        trainer.step = 1
+        size = sum(f.stat().st_size for f in store.save(trainer, 1).iterdir())
+        ballast = run / "ballast"
+        with open(ballast, "wb") as f:  # fill the disk up to half a checkpoint's room
+            free = shutil.disk_usage(run).free
+            f.write(b"\0" * max(0, free - size // 2))
+        trainer.step = 2
+        with pytest.raises(Exception) as e:
+            store.save(trainer, 2)
+        assert storage_fault(e.value) == "the disk is full", repr(e.value)
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["VERSION", "step_1"]
+        assert shutil.disk_usage(run).free >= size // 4  # what the failed write took is back
+        ballast.unlink()
+        assert store.save(trainer, 2).name == "step_2"
+        store.load(2)
+    finally:
+        subprocess.run(["umount", "-l", str(run)], check=False)
