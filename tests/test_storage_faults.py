@@ -106,7 +106,7 @@ def test_a_full_disk_answers_507_keeps_every_acknowledged_turn_and_recovers_when
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     printed = log.read_text()
-    assert "the turn store could not be written" in printed and "internal error" not in printed
+    assert "the turn store cannot write: " in printed and "internal error" not in printed
 
     with sqlite3.connect(run_dir / "clawrl.sqlite") as c:
         assert c.execute("PRAGMA integrity_check").fetchone() == ("ok",)

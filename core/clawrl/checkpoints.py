@@ -11,9 +11,11 @@ Layout under ``run_dir/checkpoints/``::
     ROLLBACK                        a pending or applied rollback (see ``rollback``)
 
 A checkpoint is written into a temporary directory, fsynced and renamed into place, so a crash
-leaves either the old set or the new one, never half a checkpoint. On start, the newest checkpoint
-whose files match their checksums is loaded; an unreadable or corrupt one is skipped with a log
-line and the previous one is used.
+leaves either the old set or the new one, never half a checkpoint. A write that fails (a full disk)
+removes its temporary files at once, so the failure does not keep the disk full; temporary files a
+crash left behind are removed at the next start. On start, the newest checkpoint whose files match
+their checksums is loaded; an unreadable or corrupt one is skipped with a log line and the previous
+one is used.
 
 Versions only move forward. Every token a sample holds is tagged with the version that produced
 it, and the buffer counts staleness by subtracting versions. So when the weights resumed are older
@@ -60,6 +62,8 @@ MANIFEST = "manifest.json"
 VERSION_FILE = "VERSION"
 ROLLBACK_FILE = "ROLLBACK"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_SUFFIX = ".tmp"
+_TEMP_DIR = re.compile(r"^\.(tmp|old)-step_\d+-\d+$")  # a checkpoint being written, or one being replaced
 
 
 class CheckpointError(RuntimeError):
@@ -101,12 +105,23 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _torch_save(obj, path: Path) -> None:
+    """``torch.save`` through a Python file, so that a full disk raises its OSError (torch's own
+    writer reports it as an unexplained RuntimeError)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def _write_json(path: Path, data: dict) -> None:
-    """Atomically replace ``path`` with ``data`` (write, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    _fsync(tmp)
-    os.replace(tmp, path)
+    """Atomically replace ``path`` with ``data`` (write, fsync, rename; a failed write leaves no temp)."""
+    tmp = path.with_name(f".{path.name}{_TMP_SUFFIX}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync(path.parent)
 
 
@@ -191,15 +206,35 @@ class CheckpointStore:
             weights = {k: v.to(serve_dtype) if v.is_floating_point() else v for k, v in weights.items()}
         kind = state["kind"]
         self.root.mkdir(parents=True, exist_ok=True)
+        self.record_version(weight_version)
         tmp = self.root / f".tmp-step_{step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        try:
+            files = self._write_into(tmp, step, kind, weights, state, optimizer, weight_version, buffer_state)
+            final = self._move_into_place(tmp, step)
+        except BaseException:  # a full disk, most often: what was written goes, the disk is not kept full
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("checkpoint %s saved (weight version %d, %s, %s)", final, weight_version, kind,
+                 f"{sum(m['bytes'] for m in files.values()) / 2**20:.1f} MiB")
+        try:
+            self._prune()
+            self._drop_optimizer_state(keep=step)
+        except OSError as e:  # the new checkpoint is whole; the next save tidies up again
+            log.warning("checkpoint %s saved, but tidying the older ones failed (%s); the next save retries",
+                        final, e)
+        return final
+
+    def _write_into(self, tmp: Path, step: int, kind: str, weights: dict, state: dict, optimizer: dict,
+                    weight_version: int, buffer_state: dict | None) -> dict:
+        """Write a checkpoint's files and manifest into ``tmp``, fsynced; returns the manifest's files."""
         weights_file = "adapter.safetensors" if kind == "lora" else "weights.safetensors"
         save_file(weights, str(tmp / weights_file), metadata={"step": str(step), "kind": kind})
-        torch.save({**state, "weight_version": int(weight_version), "buffer_state": buffer_state}, tmp / STATE_FILE)
+        _torch_save({**state, "weight_version": int(weight_version), "buffer_state": buffer_state}, tmp / STATE_FILE)
         names = [weights_file, STATE_FILE]
         if optimizer["optimizer"] is not None:
-            torch.save(optimizer, tmp / OPTIMIZER_FILE)
+            _torch_save(optimizer, tmp / OPTIMIZER_FILE)
             names.append(OPTIMIZER_FILE)
         files = {}
         for name in names:
@@ -210,21 +245,42 @@ class CheckpointStore:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         _fsync(tmp / MANIFEST)
         _fsync(tmp)
+        return files
+
+    def _move_into_place(self, tmp: Path, step: int) -> Path:
         final = self.path(step)
         if final.exists():  # an older, unusable checkpoint of the same step: replace it
             stale = self.root / f".old-step_{step}-{os.getpid()}"
             os.replace(final, stale)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                os.replace(stale, final)
+                raise
             shutil.rmtree(stale, ignore_errors=True)
         else:
             os.replace(tmp, final)
         _fsync(self.root)
-        self.record_version(weight_version)
-        log.info("checkpoint %s saved (weight version %d, %s, %s)", final, weight_version, kind,
-                 f"{sum(m['bytes'] for m in files.values()) / 2**20:.1f} MiB")
-        self._prune()
-        self._drop_optimizer_state(keep=step)
         return final
+
+    def remove_temporaries(self) -> None:
+        """Remove what a crash mid-write left behind (a checkpoint's temporary directory, a JSON
+        file's temporary copy), in one log line. Only at start, under the run lock: nothing is
+        being written then."""
+        if not self.root.is_dir():
+            return
+        found = [p for p in self.root.iterdir() if _TEMP_DIR.match(p.name) or p.name.endswith(_TMP_SUFFIX)]
+        found += [p for step in self.steps() for p in self.path(step).glob(f".*{_TMP_SUFFIX}")]
+        if not found:
+            return
+        size = sum(f.stat().st_size for p in found for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+        for p in found:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        log.warning("removed %d temporary checkpoint file(s) an earlier run left behind (%.1f MiB): %s", len(found),
+                    size / 2**20, ", ".join(sorted(str(p.relative_to(self.root)) for p in found)))
 
     def _drop_optimizer_state(self, keep: int) -> None:
         """Only the newest checkpoint keeps ``optimizer.pt``: each other one loses it, manifest first
@@ -301,6 +357,7 @@ class CheckpointStore:
         to serve: the checkpoint's own, or a new one above everything served when the weights are
         older than the newest served version.
         """
+        self.remove_temporaries()
         record = self.rollback_record()
         steps = self.steps()
         pending = bool(record) and not record.get("applied")

@@ -5,14 +5,19 @@ The judge worker (``clawrl.orchestration.judging.JudgeWorker``), the OPD teacher
 store every ``poll_s`` seconds, or sooner after ``notify()`` (thread-safe, so the gateway can wake a
 worker when a turn closes), and keep at most ``concurrency`` items in flight. Serving never waits on
 them: they only read turns that are already stored. ``drain()`` processes everything outstanding
-now and returns, for tests and shutdown; a failure to *record* a result is raised from ``drain()``
-(the item stays outstanding and is retried by the next poll when running in the background).
+now and returns, for tests and shutdown; a failure to *record* a result is raised from ``drain()``.
+In the background the item stays outstanding and is retried, and every failure (reading work or
+recording a result) backs off: the next poll waits 1 s, 2 s, ... up to a minute, logged once per
+stretch (``clawrl.backoff``), so a full disk or a bug never makes the worker spin.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Awaitable, Optional
+
+from clawrl.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +34,9 @@ class PollingWorker:
         self._wake: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
-        self._errors: list[BaseException] = []
+        self._errors: list[BaseException] = []  # failures while draining, raised by drain()
+        self._draining = False
+        self.backoff = Backoff(self.name, f"it records no {self.item_label} outcome and takes no new work")
         self.finished = 0  # items this worker finished, whatever their outcome
 
     async def _next_work(self, free: int, busy: list[int]) -> list[tuple[int, Awaitable[None]]]:
@@ -68,12 +75,17 @@ class PollingWorker:
             self._wake.clear()
             try:
                 await self._fill()
-            except Exception:  # a store hiccup must not end the worker; the next poll retries
-                log.exception("%s: could not read outstanding work", self.name)
-            try:
+            except Exception as e:  # a store hiccup must not end the worker; a later poll retries
+                self.backoff.failed(e)
+            else:
+                if not self._in_flight:  # nothing outstanding failed
+                    self.backoff.succeeded()
+            delay = self.backoff.delay_s()
+            if delay:  # backing off: new turns do not wake it
+                await asyncio.sleep(delay)
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
-            except asyncio.TimeoutError:
-                pass
 
     async def drain(self) -> int:
         """Process every item outstanding now (and any that appear meanwhile); returns how many finished."""
@@ -81,13 +93,17 @@ class PollingWorker:
         self._wake = self._wake or asyncio.Event()
         before = self.finished
         self._errors.clear()
-        while True:
-            if self._errors:
-                raise self._errors[0]
-            await self._fill()
-            if not self._in_flight:
-                return self.finished - before
-            await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)
+        self._draining = True
+        try:
+            while True:
+                if self._errors:
+                    raise self._errors[0]
+                await self._fill()
+                if not self._in_flight:
+                    return self.finished - before
+                await asyncio.wait(list(self._in_flight.values()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._draining = False
 
     async def _fill(self) -> None:
         await self._prepare()
@@ -101,8 +117,13 @@ class PollingWorker:
 
     def _done(self, key: int, task: asyncio.Task) -> None:
         self._in_flight.pop(key, None)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s: %s %d could not be recorded: %s", self.name, self.item_label, key, task.exception())
+        if task.cancelled():
+            pass
+        elif task.exception() is None:
+            self.backoff.succeeded()
+        elif self._draining:
             self._errors.append(task.exception())
+        else:
+            self.backoff.failed(task.exception())
         if self._wake is not None:
             self._wake.set()

@@ -42,6 +42,7 @@ from clawrl.gateway.streaming import DONE, ChunkMaker, SSEResponse, error_event,
 from clawrl.gateway.text import ChoiceDecoder, logprob_entry
 from clawrl.gateway.toolcalls import Content, ToolCall
 from clawrl.sessions import InvalidTurnType, SessionHints, SessionInputError, SessionLinker, TurnPlan
+from clawrl.backoff import Backoff
 from clawrl.storage_faults import storage_fault
 from clawrl.store import UnknownTurn
 
@@ -150,6 +151,9 @@ class Gateway:
             log.info("server.admin_key is unset: /admin answers loopback clients only")
         self.admission = Admission(cfg.engine.max_batch_size, cfg.server.max_queue)
         self.rate_limits = RateLimiter(cfg.server.rate_limit, self.api_keys.keys)
+        # a full disk's stretch of 507s: one warning when the store starts refusing, one line when it writes again
+        self.store_refusals = Backoff("the turn store", "chat requests get 507 and nothing of them is stored",
+                                      first_s=0)
         self.created = int(time.time())
         # Extra /admin/status sections from the layers above (e.g. training); each is a synchronous
         # callable returning a dict, run off the event loop. The gateway knows nothing of them.
@@ -288,6 +292,7 @@ class Turn:
                 finish_reason=c.finish_reason if status == "complete" else status, status=status,
                 temperature=self.params.logprob_temperature,
             ))
+        self.gw.store_refusals.succeeded()
 
     def _logprobs(self, c: Choice, start: int, end: int) -> list[dict]:
         return [logprob_entry(self.gw.tokenizer, c.token_ids[k], c.logprobs[k], c.top_logprobs[k])
@@ -351,7 +356,7 @@ class Turn:
         try:
             await self.execute(on_events)
         except Exception as e:  # headers are out: the error goes in-band, as OpenAI does
-            await emit(error_event(_as_api_error(e).body()) + DONE)
+            await emit(error_event(_as_api_error(e, self.gw.store_refusals).body()) + DONE)
             return
         tail = [chunks.finish(c.index, c.finish_reason) for c in self.choices]
         if self.req.include_usage:
@@ -363,7 +368,7 @@ async def _ignore_events(c, events, chunk) -> None:
     return None
 
 
-def _as_api_error(e: BaseException) -> ApiError:
+def _as_api_error(e: BaseException, store_refusals: Backoff) -> ApiError:
     if isinstance(e, ApiError):
         return e
     if isinstance(e, ContextLengthExceeded):
@@ -372,8 +377,7 @@ def _as_api_error(e: BaseException) -> ApiError:
         return ApiError(503, f"the engine failed: {e}", type="server_error", code="engine_error")
     fault = storage_fault(e)
     if fault is not None:
-        log.error("the turn store could not be written: %s (%s); answering 507, nothing of the request is "
-                  "stored", fault, e)
+        store_refusals.failed(e)  # logged once per stretch, with the count when it ends
         return ApiError(507, f"the server cannot store this turn: {fault}; nothing of it was stored, and earlier "
                         "turns are safe. Retry once the server's operator has freed space", type="server_error",
                         code="storage_unavailable")
@@ -416,8 +420,8 @@ def _hints(request: Request, body: dict) -> SessionHints:
 class CatchAll:
     """ASGI middleware: an exception no handler took becomes a logged 503 JSON error, not a 500 page."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, store_refusals: Backoff):
+        self.app, self.store_refusals = app, store_refusals
 
     async def __call__(self, scope, receive, send):
         started = False
@@ -433,7 +437,7 @@ class CatchAll:
             if scope["type"] != "http" or started:
                 log.error("error after the response started: %s", e, exc_info=e)
                 return
-            await _error_response(_as_api_error(e))(scope, receive, send)
+            await _error_response(_as_api_error(e, self.store_refusals))(scope, receive, send)
 
 
 class AdminGate:
@@ -477,7 +481,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     app = FastAPI(title="clawrl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     openapi.install(app)  # the schemas of the raw-body routes, for schema-driven clients and fuzzers
     app.state.gateway = gw
-    app.add_middleware(CatchAll)
+    app.add_middleware(CatchAll, store_refusals=gw.store_refusals)
     app.add_middleware(AdminGate, guard=gw.admin_guard)
 
     @app.exception_handler(ApiError)

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
 
+from clawrl.backoff import Backoff
 from clawrl.buffer import RolloutBuffer
 from clawrl.checkpoints import CheckpointError, CheckpointStore
 from clawrl.config import ClawrlConfig
@@ -54,6 +55,7 @@ from clawrl.orchestration.evaluation import concurrency_beside_rollouts, evaluat
 from clawrl.orchestration.rollouts import RolloutWorker
 from clawrl.run_config import save_run_config
 from clawrl.samples import Sample
+from clawrl.storage_faults import storage_fault
 from clawrl.store import TurnStore
 from clawrl.trainers import TrainerError
 from clawrl.trainers.backends import make_trainer
@@ -100,6 +102,11 @@ class Learner:
         self._task: Optional[asyncio.Task] = None
         self._wake = asyncio.Event()
         self._skip_mark = 0.0  # skips logged up to this time
+        # A step served but not yet on disk (a full disk refused it): its samples to mark trained
+        # (ids, step, version), and whether its checkpoint is due. Written before the next batch.
+        self._unmarked: Optional[tuple[list[int], int, int]] = None
+        self._checkpoint_due = False
+        self.backoff = Backoff("training", "checkpointing and training pause (serving goes on)")
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -237,9 +244,33 @@ class Learner:
         exactly the served weights of the last marked step (trainer.step == train_step)."""
         if self.trainer is None or self.train_step <= self._saved_step or self.trainer.step != self.train_step:
             return
-        log.info("%s: saving train step %d (weight version %d)", why, self.train_step, self.sync.version)
-        await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
-        self._saved_step = self.train_step
+        try:
+            await self._write_owed()
+            if self.train_step > self._saved_step:
+                log.info("%s: saving train step %d (weight version %d)", why, self.train_step, self.sync.version)
+                await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
+                self._saved_step = self.train_step
+        except Exception as e:
+            fault = storage_fault(e)
+            if fault is None:
+                raise
+            log.warning("%s: train step %d cannot be checkpointed (%s); the next start resumes step_%d and trains "
+                        "the samples since then again", why, self.train_step, fault, self._saved_step)
+
+    async def _write_owed(self) -> bool:
+        """Write what a full disk refused after the last step: its samples marked trained, then
+        its checkpoint (in that order: a checkpoint never holds samples the store calls untrained).
+        True if there was something to write."""
+        owed = self._unmarked is not None or self._checkpoint_due
+        if self._unmarked is not None:
+            ids, step, version = self._unmarked
+            await asyncio.to_thread(self.checkpoints.record_version, version)  # the high-water mark first
+            await asyncio.to_thread(self.buffer.mark_trained, ids, step, version)
+            self._unmarked = None
+        if self._checkpoint_due:
+            await asyncio.to_thread(self.checkpoints.save, self.trainer, self.sync.version)
+            self._saved_step, self._checkpoint_due = self.train_step, False
+        return owed
 
     def _done(self) -> bool:
         """env.max_train_steps steps are trained."""
@@ -281,17 +312,30 @@ class Learner:
         while not self._stopping and not self._done():
             self._wake.clear()
             try:
+                wrote = await self._write_owed()
                 if self.paused_reason is None:
                     ready = await asyncio.to_thread(self.buffer.ready_count)
                     if ready >= self.cfg.train.batch_size and not self._stopping:
                         await self.train_once()
-                        continue
+                        wrote = True
+                if wrote:
+                    self.backoff.succeeded()
+                    continue
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a store hiccup or a trainer bug must not end learning; logged, retried
-                log.exception("training loop: step failed")
+            except Exception as e:  # a full disk, a store hiccup or a bug must not end learning: retried
+                await self._sleep_unless_stopping(self.backoff.failed(e))
+                continue
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
+
+    async def _sleep_unless_stopping(self, seconds: float) -> None:
+        """Back off: new samples do not wake the loop, a stop does."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
 
     async def _guarded_eval(self) -> None:
         try:
@@ -331,24 +375,26 @@ class Learner:
         new_version = version + 1
         sync_ms = await self.sync.push(self.trainer, new_version)
         step = self.trainer.step
-        await asyncio.to_thread(self.buffer.mark_trained, [s.sample_id for s in samples], step, new_version)
-        self.last_loss = result.metrics.get("loss")
-        self.last_step_skip = None
-        if await asyncio.to_thread(self.checkpoints.after_step, self.trainer, new_version) is not None:
-            self._saved_step = step
-        skipped = await asyncio.to_thread(self._skips_since_last_step)
-        self.train_step = step
+        # served from now on: the step counts, and what the disk must hold of it is owed until written
+        self.train_step, self.last_loss, self.last_step_skip = step, result.metrics.get("loss"), None
+        self._unmarked = ([s.sample_id for s in samples], step, new_version)
+        self._checkpoint_due = step % self.cfg.train.save_every == 0
+        try:
+            await self._write_owed()  # a full disk raises here; the loop retries it before the next batch
+        finally:
+            skipped = await asyncio.to_thread(self._skips_since_last_step)
+            log.info("train step %d -> weight version %d: loss %.4f; trained %s; skipped since the last step: %s",
+                     step, new_version, self.last_loss or 0.0, _origins(samples),
+                     ", ".join(f"{origin} ({why})" for origin, why in skipped) or "none")
+            if self._done():
+                self._finish_soon()
         rollout = self.rollouts.window() if self.rollouts is not None else {}
         self.metrics.log_step(step, {**result.metrics, **rollout, "weight_version": new_version})
         self.metrics.log_version(new_version, {"weight_sync_ms": sync_ms, "train_step": step,
                                                "samples_trained": len(samples), "samples_skipped": len(skipped),
                                                "reward_mean": result.metrics.get("reward_mean")})
-        log.info("train step %d -> weight version %d: loss %.4f; trained %s; skipped since the last step: %s",
-                 step, new_version, self.last_loss or 0.0, _origins(samples),
-                 ", ".join(f"{origin} ({why})" for origin, why in skipped) or "none")
-        if self._done():
-            self._finish_soon()
-        elif self.eval_records and self.cfg.env.eval_every and step % self.cfg.env.eval_every == 0:
+        eval_due = self.eval_records and self.cfg.env.eval_every and step % self.cfg.env.eval_every == 0
+        if eval_due and not self._done():
             await self._guarded_eval()
         return True
 
@@ -389,6 +435,7 @@ class Learner:
         return {
             "enabled": True, "method": self.cfg.method, **self.method.status(), **env,
             "paused": self.paused_reason is not None, "paused_reason": self.paused_reason,
+            "storage_fault": self.backoff.fault,  # a full disk pausing training and checkpoints, if any
             "train_step": self.train_step,
             "weight_version": self.sync.version, "last_loss": self.last_loss, "last_step_at": self.last_step_at,
             "last_step_skipped": self.last_step_skip, "batch_size": self.cfg.train.batch_size,
