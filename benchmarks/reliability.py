@@ -498,6 +498,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import tempfile
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="clawrl-crash-"))
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.parent / f"{run_dir.name}-serve.log"
     started = time.monotonic()
     results = campaign(run_dir, args.kills, args.seed, args.overrides, log) if args.kills else []
