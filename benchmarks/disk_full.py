@@ -87,7 +87,11 @@ def cycle(server: reliability.Server, run_dir: Path, model: str, acked: reliabil
     filler = fill(run_dir)
     time.sleep(0.5)
     full = _probe(server, model)
-    if full.status_code != 507 or full.json().get("error", {}).get("code") != "storage_unavailable":
+    try:
+        code = full.json().get("error", {}).get("code")
+    except ValueError:
+        code = None
+    if full.status_code != 507 or code != "storage_unavailable":
         problems.append(f"a chat on the full disk got {full.status_code} {full.text[:160]}, not 507")
     time.sleep(HOLD_S)
     step_at_free = server.status()["training"]["train_step"]
@@ -130,7 +134,11 @@ def disk_full_campaign(mount_point: Path, cycles: int, seed: int, overrides: lis
             if _wait_for(lambda: server.status()["training"]["train_step"] >= 1, RECOVERY_S) is None:
                 raise RuntimeError("the server never trained before the disk was filled: " + server.text()[-2000:])
             for k in range(cycles):
-                result = cycle(server, run_dir, model, acked)
+                try:
+                    result = cycle(server, run_dir, model, acked)
+                except (httpx.HTTPError, OSError) as e:  # the server went away mid-cycle
+                    result = {"full_reply": None, "stored_again_s": None, "trained_again_s": None,
+                              "problems": [f"{type(e).__name__}: {e}"]}
                 results.append(result)
                 progress(f"disk full {k + 1}/{cycles}: full -> {result['full_reply']}; stored again after "
                          f"{result['stored_again_s']} s, trained again after {result['trained_again_s']} s: "
