@@ -1,7 +1,9 @@
-"""Crash campaign: kill -9 a serving, judging, training server at chosen moments, restart it on the
-same run directory, and check that nothing was lost (issue 20, item 1).
+"""Reliability campaign: kill -9 a serving, judging, training server at chosen moments, restart it on
+the same run directory, and check that nothing was lost (issue 20, item 1); then hostile requests,
+disk-full recoveries and a soak (issue 40, item 7).
 
-    python benchmarks/reliability.py [--kills 30] [--sandbox-kills 10] [--seed 0]
+    python benchmarks/reliability.py [--kills 30] [--sandbox-kills 10] [--seed 0] [--no-hostile]
+                                     [--disk-full 3] [--soak-s 600] [--soak-streams 32]
                                      [--out benchmarks/results/reliability.json] [key=value ...]
 
 A load thread keeps chatting through ``clawrl serve`` (method rl, the rules judge, a train step
@@ -27,12 +29,20 @@ After each kill, with the server dead, and again after the restart:
    restart re-served older weights, is a checkpoint whose files verify (or the base model);
 4. the run resumes by itself: under the same load, a train step beyond the resumed one happens.
 
-Each kill is reported as survived or, with what was lost, not; the table goes to stdout and the
-figures to ``--out``. ``tests/test_crash_campaign.py`` runs one kill per moment in CI.
+Each kill is reported as survived or, with what was lost, not. Then, on fresh run directories:
+the hostile requests of ``benchmarks/hostile.py`` (each handled as issue 40 demands, the server still
+serving after it), ``--disk-full`` fills and frees of a tmpfs run directory (``benchmarks/disk_full.py``)
+and a soak of ``--soak-streams`` concurrent sessions for ``--soak-s`` seconds while training
+(``benchmarks/soak.py``: RSS over time, latency p50/p99, errors). The figures (the tables of
+RELIABILITY.md's "Standing campaign") go to stdout and everything to ``--out``.
+``tests/test_crash_campaign.py`` runs one kill per moment in CI, ``tests/test_reliability_campaign.py``
+the rest of the machinery.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import importlib.util
 import json
 import os
 import random
@@ -69,10 +79,16 @@ CLAWRL = [sys.executable, "-c", "import sys; from clawrl.cli import main; sys.ex
 
 @dataclass
 class Acked:
-    """What the server acknowledged: turn ids of 200 replies, and sessions whose stream finished."""
+    """What the server acknowledged: turn ids of 200 replies, and sessions whose stream finished;
+    and the requests it did not answer with 200, by status or exception name."""
     turns: set[int] = field(default_factory=set)
     streamed_sessions: list[str] = field(default_factory=list)
+    errors: collections.Counter = field(default_factory=collections.Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def error(self, what) -> None:
+        with self.lock:
+            self.errors[str(what)] += 1
 
 
 class Server:
@@ -135,7 +151,8 @@ class Load(threading.Thread):
         while not self.stop.is_set():
             try:
                 self.session()
-            except (httpx.HTTPError, ValueError, KeyError):
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                self.acked.error(type(e).__name__)
                 time.sleep(0.05)
 
     def session(self) -> None:
@@ -148,7 +165,7 @@ class Load(threading.Thread):
             with httpx.stream("POST", self.url + "/v1/chat/completions", json={**body, "stream": True},
                               headers=headers, timeout=30) as r:
                 if r.status_code != 200:
-                    return
+                    return self.acked.error(r.status_code)
                 for line in r.iter_lines():
                     self.streaming.set()
                     if line == "data: [DONE]":
@@ -162,7 +179,7 @@ class Load(threading.Thread):
         else:
             r = httpx.post(self.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
             if r.status_code != 200:
-                return
+                return self.acked.error(r.status_code)
             with self.acked.lock:
                 self.acked.turns.update(int(t) for t in r.headers["x-turn-ids"].split(","))
             reply = r.json()["choices"][0]["message"]["content"] or ""
@@ -170,9 +187,10 @@ class Load(threading.Thread):
         r = httpx.post(self.url + "/v1/chat/completions", headers={**headers, "X-Session-Done": "1"}, timeout=30,
                        json={**body, "max_tokens": 1, "messages": asked + [
                            {"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]})
-        if r.status_code == 200:
-            with self.acked.lock:
-                self.acked.turns.update(int(t) for t in r.headers["x-turn-ids"].split(","))
+        if r.status_code != 200:
+            return self.acked.error(r.status_code)
+        with self.acked.lock:
+            self.acked.turns.update(int(t) for t in r.headers["x-turn-ids"].split(","))
 
 
 def wait_for_line(server: Server, needle: str, after: int, timeout: float) -> bool:
@@ -208,6 +226,12 @@ def lost_turns(run_dir: Path, acked: Acked) -> list[str]:
             mine = [(t["turn_id"], t["status"]) for t in turns.values() if t["session_id"] == s]
             lost.append(f"streamed turn of session {s} (its turns: {mine or 'none'})")
     return lost
+
+
+def trained_again(locked: dict[int, int], now: dict[int, int]) -> list[str]:
+    """Samples whose train step on the surviving line changed: each one trained twice."""
+    return [f"sample {s} trained in step {step} was trained again (now step {now.get(s)})"
+            for s, step in locked.items() if now.get(s) != step]
 
 
 def served_weights_problem(run_dir: Path, version: int) -> str | None:
@@ -252,10 +276,9 @@ def campaign(run_dir: Path, kills: int, seed: int, overrides: list[str], log: Pa
                 hit = wait_for_line(server, needle, mark, 90)
             time.sleep(rng.uniform(0, delay))
             server.kill()
-            problems = lost_turns(run_dir, acked)
-            before = trained_steps(run_dir)
-            problems += [f"sample {s} trained in step {step} was trained again (now step {before.get(s)})"
-                         for s, step in locked.items() if before.get(s) != step]
+            lost = lost_turns(run_dir, acked)
+            twice = trained_again(locked, trained_steps(run_dir))
+            problems = lost + twice
 
             server = Server(run_dir, port, log, overrides)  # the same port: the load goes on
             resumed, version = server.resumed()
@@ -268,10 +291,12 @@ def campaign(run_dir: Path, kills: int, seed: int, overrides: list[str], log: Pa
                     problems.append(f"no train step after resuming at step {resumed}")
                     break
                 time.sleep(0.2)
-            problems += lost_turns(run_dir, acked)
+            lost_later = [t for t in lost_turns(run_dir, acked) if t not in lost]
+            problems += lost_later
             results.append({"kill": k + 1, "moment": moment, "moment_seen": hit, "resumed_step": resumed,
                             "served_version": version, "acked_turns": len(acked.turns),
-                            "acked_streams": len(acked.streamed_sessions), "problems": problems})
+                            "acked_streams": len(acked.streamed_sessions), "turns_lost": len(lost + lost_later),
+                            "trained_twice": len(twice), "problems": problems})
             progress(f"kill {k + 1}/{kills} ({moment}{'' if hit else ', moment not seen'}): resumed at step "
                      f"{resumed}, version {version}: "
                      + ("survived" if not problems else "; ".join(problems)))
@@ -347,9 +372,8 @@ def sandbox_campaign(run_dir: Path, kills: int, seed: int, overrides: list[str],
             if orphans := still_alive(ours):
                 problems.append(f"{len(orphans)} of its {len(ours)} sandbox process(es) outlived the server")
             before = episode_states(run_dir)
-            trained = trained_steps(run_dir)
-            problems += [f"sample {s} trained in step {step} was trained again (now step {trained.get(s)})"
-                         for s, step in locked.items() if trained.get(s) != step]
+            twice = trained_again(locked, trained_steps(run_dir))
+            problems += twice
 
             server = Server(run_dir, port, log, overrides)
             resumed, version = server.resumed()
@@ -373,6 +397,7 @@ def sandbox_campaign(run_dir: Path, kills: int, seed: int, overrides: list[str],
             running = sum(st == "running" for st in before.values())
             results.append({"kill": k + 1, "moment": "sandbox", "moment_seen": hit, "resumed_step": resumed,
                             "served_version": version, "episodes_running_at_kill": running,
+                            "turns_lost": 0, "trained_twice": len(twice),
                             "episodes_finished": finished_before, "problems": problems})
             progress(f"sandbox kill {k + 1}/{kills}{'' if hit else ' (no sandbox seen)'}: {running} episode(s) "
                      f"running, {finished_before} finished; resumed at step {resumed}: "
@@ -400,6 +425,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def sibling(name: str):
+    """``benchmarks/<name>.py`` as module ``name`` (this directory is no package); they import this
+    module as ``reliability``, so it is registered under that name first."""
+    sys.modules.setdefault("reliability", sys.modules[__name__])
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def hostile_campaign(run_dir: Path, overrides: list[str], log: Path, progress=print) -> list[dict]:
+    """The hostile requests against one training server; one that stops it serving gets a restart."""
+    port = _free_port()
+    server = Server(run_dir, port, log, overrides)
+
+    def revive() -> str:
+        nonlocal server
+        server.kill()
+        server = Server(run_dir, port, log, overrides)
+        return server.url
+
+    try:
+        return sibling("hostile").run_cases(server.url, server.model(), revive, progress)
+    finally:
+        server.kill()
+
+
+def figures(out: dict) -> str:
+    """The standing campaign's figures as RELIABILITY.md shows them."""
+    kills = out.get("results", [])
+    lines = ["| kills (kill -9) | acknowledged turns lost | samples trained twice |", "|---:|---:|---:|",
+             f"| {len(kills)} | {sum(r.get('turns_lost', 0) for r in kills)} | "
+             f"{sum(r.get('trained_twice', 0) for r in kills)} |", ""]
+    hostile = out.get("hostile", [])
+    lines += [f"Hostile cases: {sum(r['handled'] for r in hostile)} of {len(hostile)} handled.", "",
+              "| hostile case | handled | what happened |", "|---|---|---|"]
+    lines += [f"| {r['case']} | {'yes' if r['handled'] else 'NO'} | {r['detail'].replace('|', '/')} |" for r in hostile]
+    disk = out.get("disk_full", {"cycles": []})
+    recovered = sum(not c["problems"] for c in disk["cycles"])
+    lines += ["", f"Disk-full recoveries: {recovered} of {len(disk['cycles'])}"
+              + (f" (not run: {disk['skipped']})" if disk.get("skipped") else "") + "."]
+    soak = out.get("soak")
+    if soak:
+        errors = sum(soak["errors"].values())
+        lines += ["", "| streams | seconds | requests | latency p50 / p99 | train steps | RSS start / peak / end "
+                  "| RSS slope, second half | errors | turns lost |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {soak['sessions']} | {soak['seconds']:.0f} | {soak['requests']} | {soak['latency_p50_s']} s / "
+                  f"{soak['latency_p99_s']} s | {soak['train_steps']} | {soak['rss_mb_first']} / {soak['rss_mb_peak']} / "
+                  f"{soak['rss_mb_last']} MB | {soak['rss_slope_second_half_mb_per_min']:+} MB/min | {errors} "
+                  f"{dict(soak['errors']) or ''} | {len(soak['lost'])} |"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=30)
@@ -410,13 +490,18 @@ def main(argv=None) -> int:
                     help="kills during toolcall-rl episodes in their sandboxes (as root; 0: none)")
     ap.add_argument("--sandbox-model", help="model.path of the sandbox campaign (default: the embedded model, "
                     "which calls its python tool)")
+    ap.add_argument("--no-hostile", action="store_true", help="skip the hostile requests (benchmarks/hostile.py)")
+    ap.add_argument("--disk-full", type=int, default=3, help="fills and frees of a tmpfs run directory (0: none)")
+    ap.add_argument("--soak-s", type=float, default=600.0, help="seconds of the soak while training (0: none)")
+    ap.add_argument("--soak-streams", type=int, default=32, help="concurrent sessions of the soak")
     ap.add_argument("overrides", nargs="*", help="key=value for clawrl serve (model.path=..., ...)")
     args = ap.parse_args(argv)
     import tempfile
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="clawrl-crash-"))
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.parent / f"{run_dir.name}-serve.log"
     started = time.monotonic()
-    results = campaign(run_dir, args.kills, args.seed, args.overrides, log)
+    results = campaign(run_dir, args.kills, args.seed, args.overrides, log) if args.kills else []
     if args.sandbox_kills:
         env_dir = run_dir.with_name(run_dir.name + "-sandbox")
         model = [f"model.path={args.sandbox_model}"] if args.sandbox_model else []
@@ -426,14 +511,31 @@ def main(argv=None) -> int:
     print("| moment | kills | moment seen | survived | lost |\n|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['moment']} | {r['tried']} | {r['moment_seen']} | {r['survived']} | {r['lost']} |")
-    out = {"kills": args.kills, "seed": args.seed, "overrides": args.overrides, "wall_s": round(time.monotonic() - started, 1),
+    out = {"kills": args.kills, "seed": args.seed, "overrides": args.overrides,
            "acked_turns": max((r.get("acked_turns", 0) for r in results), default=0), "summary": rows, "results": results,
            "command": "python benchmarks/reliability.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    failed = any(r["problems"] for r in results)
+    if not args.no_hostile:
+        out["hostile"] = hostile_campaign(run_dir.with_name(run_dir.name + "-hostile"), args.overrides,
+                                          run_dir.parent / f"{run_dir.name}-hostile-serve.log")
+        failed |= not all(r["handled"] for r in out["hostile"])
+    if args.disk_full:
+        out["disk_full"] = sibling("disk_full").disk_full_campaign(
+            run_dir.with_name(run_dir.name + "-tmpfs"), args.disk_full, args.seed, args.overrides,
+            run_dir.parent / f"{run_dir.name}-disk-full-serve.log")
+        failed |= any(c["problems"] for c in out["disk_full"]["cycles"])
+    if args.soak_s:
+        soak = sibling("soak").soak(run_dir.with_name(run_dir.name + "-soak"), args.soak_streams, args.soak_s,
+                                    2.0, args.overrides, run_dir.parent / f"{run_dir.name}-soak-serve.log")
+        out["soak"] = soak
+        failed |= bool(soak["lost"])
+    out["wall_s"] = round(time.monotonic() - started, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{sum(r['survived'] for r in rows)}/{len(results)} kills survived in {out['wall_s']} s; "
-          f"figures in {args.out}; server log {log}")
-    return 0 if all(not r["problems"] for r in results) else 1
+    print(figures(out))
+    print(f"{sum(r['survived'] for r in rows)}/{len(results)} kills survived; campaign {out['wall_s']} s; "
+          f"figures in {args.out}; server logs beside {run_dir}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

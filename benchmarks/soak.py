@@ -23,10 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("reliability", Path(__file__).with_name("reliability.py"))
-reliability = importlib.util.module_from_spec(_spec)
-sys.modules["reliability"] = reliability
-_spec.loader.exec_module(reliability)
+if "reliability" in sys.modules:  # run by benchmarks/reliability.py, or a test that loaded it
+    reliability = sys.modules["reliability"]
+else:
+    _spec = importlib.util.spec_from_file_location("reliability", Path(__file__).with_name("reliability.py"))
+    reliability = importlib.util.module_from_spec(_spec)
+    sys.modules["reliability"] = reliability
+    _spec.loader.exec_module(reliability)
 
 
 class TimedLoad(reliability.Load):
@@ -96,6 +99,7 @@ def soak(run_dir: Path, sessions: int, seconds: float, sample_s: float, override
         "train_steps": status["training"]["train_step"],
         "train_steps_per_min": round(status["training"]["train_step"] / minutes, 2),
         "acked_turns": len(acked.turns), "acked_streams": len(acked.streamed_sessions), "lost": lost,
+        "errors": dict(acked.errors),
         "rss_mb_first": rss[0][1] if rss else None, "rss_mb_peak": max(y for _, y in rss) if rss else None,
         "rss_mb_last": rss[-1][1] if rss else None,
         "rss_slope_second_half_mb_per_min": round(slope_mb_per_min(second_half), 2), "rss": rss,

@@ -1,6 +1,7 @@
 """The embedded default model: a deterministic, atomic build that yields a Qwen3 with a 32k context
 which adds two numbers it never saw added, with or without a long system prompt in front."""
 import json
+import os
 import random
 from pathlib import Path
 
@@ -56,6 +57,33 @@ def test_build_is_deterministic_for_a_seed(tmp_path):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     info = json.loads((a / "build_info.json").read_text())
     assert info["seed"] == 3 and info["steps"] == 3 and 0 <= info["addition_accuracy"] <= 1
+    assert _modes(a) == {".": 0o755, **{f.name: 0o644 for f in a.iterdir()}}  # for every local user
+
+
+def _modes(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")]}
+
+
+def test_a_built_model_is_readable_by_every_local_user_whatever_the_umask(tmp_path, monkeypatch):
+    """safetensors writes model.safetensors 0600 and mkdtemp makes the directory 0700; the cache's
+    model is shared, so the build opens both (and anything else it wrote) to every local user."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def save_a_model(out, seed, steps):
+        Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=8)).save_pretrained(out)
+        (out / "extra").mkdir()
+        (out / "extra" / "notes.json").write_text("{}")
+
+    monkeypatch.setattr(build, "_build_into", save_a_model)
+    old = os.umask(0o077)
+    try:
+        model = build.build_model(seed=0, steps=3, out=tmp_path / "model")
+    finally:
+        os.umask(old)
+    modes = _modes(model)
+    assert modes.pop("model.safetensors") == 0o644 and modes.pop(".") == 0o755 and modes.pop("extra") == 0o755
+    assert set(modes.values()) == {0o644}, modes
 
 
 def test_failed_build_leaves_no_model_behind(tmp_path, monkeypatch):

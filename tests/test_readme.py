@@ -1,6 +1,6 @@
 """The README's commands are the ones users run: every line of its ```bash blocks runs here as
 written, or is listed in NOT_IN_CI with the reason a CI machine cannot run it. CI runs the README's
-install and test commands itself (checked against .ci/run)."""
+install lines (tests/readme_install.py, in a fresh venv) and test command itself (checked against .ci/run)."""
 import json
 import os
 import re
@@ -14,15 +14,14 @@ import pytest
 
 from clawrl.config import describe_config
 from gateway_support import free_port
+from readme_install import install_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 
 TWO_GPU_NODES = "two GPU nodes (the block's two columns are node 0's and node 1's commands)"
+INSTALLED_BY_CI = "installs packages; .ci/run runs the Install block in a fresh venv (tests/readme_install.py)"
 NOT_IN_CI = {
-    "pip install --require-hashes --no-deps --no-build-isolation -r requirements-sdists.txt":
-        "installs packages; .ci/run runs the same line (test_readme_install_matches_ci_install)",
-    "pip install -r requirements.txt -c constraints.txt && pip install -e .":
-        "installs packages; .ci/run runs the same lines (test_readme_install_matches_ci_install)",
+    **{line: INSTALLED_BY_CI for line in install_commands((ROOT / "README.md").read_text())},
     "python3 -m pytest -q tests": "the suite this test belongs to; .ci/run runs it (test_ci_runs_the_readme_test_command)",
     "bash openclaw-combine/run.sh model.path=/models/Qwen3-1.7B server.host=0.0.0.0 server.api_key=$MY_KEY "
     "run_dir=runs/me": "needs /models/Qwen3-1.7B and the user's key",
@@ -63,14 +62,42 @@ def test_ci_runs_the_readme_test_command():
     assert f"{test_cmd} --durations=30" in ci_lines
 
 
-def test_readme_install_matches_ci_install():
+def test_ci_installs_with_the_readme_install_lines_in_a_fresh_venv_and_tests_in_it():
+    """.ci/run installs clawrl only through tests/readme_install.py, which runs the README's lines,
+    and every later python3 of it (the suite's too) is that venv's."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    installs = [line for line in ci if "pip install" in line and not line.startswith("#")]
+    assert not [line for line in installs if "requirements.txt" in line or "-e ." in line], installs
+    at = ci.index('python3 tests/readme_install.py "$venv"')
+    assert ci[at - 1] == "venv=$(mktemp -d)/venv" and ci[at + 1] == 'export VIRTUAL_ENV=$venv PATH="$venv/bin:$PATH"'
+    assert all(ci.index(line) > at for line in ci if line.startswith("python3 ") and line != ci[at])
+
+
+def test_readme_install_lines_pin_the_build_tools_before_building_without_isolation():
+    """Without wheel a fresh venv cannot build the antlr4 sdist (``invalid command 'bdist_wheel'``),
+    and an isolated build would download an unpinned setuptools: the first line installs both,
+    setuptools at the version constraints.txt pins."""
+    lines = install_commands((ROOT / "README.md").read_text())
+    locked = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line)
+    assert lines[0] == f"pip install setuptools=={locked['setuptools']} wheel==0.46.3", lines
+    assert "-r requirements-sdists.txt" in lines[1] and "-r requirements.txt -c constraints.txt" in lines[2]
+    builds = [cmd for line in lines for cmd in line.split("&&") if "-r requirements-sdists.txt" in cmd or " -e ." in cmd]
+    assert len(builds) == 2 and all("--no-build-isolation" in cmd for cmd in builds), builds
+
+
+def test_readme_sglang_install_lines_match_ci():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    for pinned in ("-r requirements-sdists.txt", "-r requirements.txt -c constraints.txt",
-                   "--no-deps -r requirements-sglang.txt", "-r requirements-sglang-io-struct.txt",
+    for pinned in ("--no-deps -r requirements-sglang.txt", "-r requirements-sglang-io-struct.txt",
                    '--target "$CLAWRL_HOME/sglang-io-struct"'):
         assert pinned in readme and pinned in ci, pinned
-    assert "pip install -e ." in readme and "-e ." in ci
+
+
+def test_install_commands_are_the_install_block_of_the_readme():
+    readme = "# x\n## Install\ntext\n```bash\npip install a\n# why\n\npip install b\n```\n```bash\nno\n```\n## Next\n"
+    assert install_commands(readme) == ["pip install a", "pip install b"]
+    with pytest.raises(ValueError, match="no ```bash block"):
+        install_commands("## Install\nnothing\n## Next\n")
 
 
 def test_constraints_pin_every_requirement_at_its_own_version():

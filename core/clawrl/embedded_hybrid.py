@@ -31,7 +31,7 @@ from clawrl.embedded import build
 from clawrl.embedded.evaluate import evaluate_addition
 from clawrl.embedded.tokenizer import ENDOFTEXT, IM_END
 from clawrl.errors import CliError
-from clawrl.paths import data_dir
+from clawrl.paths import data_dir, share_tree
 
 MODEL_NAME = "clawrl-tiny-hybrid"
 ARCHS = ("qwen3", "hybrid")
@@ -113,7 +113,6 @@ def build_hybrid(seed: int = 0, steps: int | None = None, out: str | Path | None
         if (target / "model.safetensors").exists() and not force:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        tmp.chmod(0o755)
         try:
             t0, threads = time.time(), torch.get_num_threads()
             torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -128,6 +127,7 @@ def build_hybrid(seed: int = 0, steps: int | None = None, out: str | Path | None
                     "addition_accuracy": accuracy, "parameters": sum(p.numel() for p in model.parameters()),
                     "build_seconds": round(time.time() - t0, 1), "versions": build._versions()}
             (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+            share_tree(tmp)
             if target.exists():
                 shutil.rmtree(target)
             os.rename(tmp, target)

@@ -57,7 +57,7 @@ from clawrl.embedded.english import english_paragraphs
 from clawrl.embedded.evaluate import evaluate_addition
 from clawrl.embedded.tokenizer import ENDOFTEXT, IM_END, render_chat, save_tokenizer, train_tokenizer
 from clawrl.errors import CliError
-from clawrl.paths import data_dir
+from clawrl.paths import data_dir, share_tree
 
 MODEL_NAME = "clawrl-tiny"
 DEFAULT_STEPS = 1875  # calibrated: about 7.5 minutes for the whole build on 2 idle cores (0.23 s a step)
@@ -146,9 +146,9 @@ def build_model(seed: int = 0, steps: int | None = None, out: str | Path | None 
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the model is for every local user
         try:
             _build_into(tmp, seed, steps)
+            share_tree(tmp)
             if target.exists():
                 shutil.rmtree(target)
             os.rename(tmp, target)
