@@ -41,7 +41,7 @@ def make_app(loaded, run_dir, *overrides):
 def call(app, client_host, method, path, key=None, **kw):
     async def go():
         transport = httpx.ASGITransport(app=app, client=(client_host, 40000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://clawrl") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             headers = {"Authorization": f"Bearer {key}"} if key else {}
             return await client.request(method, path, headers=headers, **kw)
     return asyncio.run(go())
@@ -89,22 +89,26 @@ def test_the_admin_ring_never_holds_the_api_keys():
     api, admin = key_rings(ServerConfig(api_key="a1,a2"))
     assert api.keys == ["a1", "a2"] and admin.keys == []
     guard = AdminGuard(admin)
-    guard.check(None, "127.0.0.1")
-    guard.check("Bearer a1", "::1")
+    guard.check(None, "127.0.0.1", "127.0.0.1")
+    guard.check("Bearer a1", "::1", "localhost")
     with pytest.raises(ApiError) as e:
-        guard.check("Bearer a1", "10.1.2.3")
+        guard.check("Bearer a1", "10.1.2.3", "127.0.0.1")
     assert e.value.status == 403
-    guard.check(None, "::ffff:127.0.0.1")  # an IPv4 client of a dual-stack socket
+    guard.check(None, "::ffff:127.0.0.1", "::1")  # an IPv4 client of a dual-stack socket
     for peer in (None, "::ffff:10.0.0.1", "localhost.evil.example", "0.0.0.0"):  # None: an unknown peer
         with pytest.raises(ApiError) as e:
-            guard.check(None, peer)
+            guard.check(None, peer, "127.0.0.1")
         assert e.value.status == 403, peer
+    for name in (None, "evil.example", "my-box.lan"):  # a rebinding page's own name reaches loopback too
+        with pytest.raises(ApiError) as e:
+            guard.check(None, "127.0.0.1", name)
+        assert e.value.status == 403 and e.value.code == "admin_key_required", name
     api, admin = key_rings(ServerConfig(api_key="a1", admin_key="root,ops"))
     guard = AdminGuard(admin)
-    guard.check("Bearer ops", "10.1.2.3")
+    guard.check("Bearer ops", "10.1.2.3", "evil.example")  # the key opens /admin whatever the host's name
     for bad in ("Bearer a1", None, "Bearer roo", "Bearer rootroot"):
         with pytest.raises(ApiError) as e:
-            guard.check(bad, "127.0.0.1")
+            guard.check(bad, "127.0.0.1", "127.0.0.1")
         assert e.value.status == 401
 
 

@@ -325,7 +325,7 @@ def test_body_over_the_limit_is_413_by_header_and_by_stream(server):
             yield data[i:i + 4096]
 
     r = httpx.post(server.url + "/v1/chat/completions", content=chunks(),
-                   headers={"Authorization": f"Bearer {KEY_A}"})
+                   headers={"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 

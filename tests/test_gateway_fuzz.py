@@ -330,7 +330,7 @@ def test_huge_bodies_are_413_or_clean(tmp_path):
 
     async def go():
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
-        async with httpx.AsyncClient(transport=transport, base_url="http://clawrl", timeout=60) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as c:
             big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300_000}]}
             r1 = await c.post("/v1/chat/completions", json=big)
 
@@ -338,7 +338,8 @@ def test_huge_bodies_are_413_or_clean(tmp_path):
                 for _ in range(100):
                     yield b"[" * 4096
             r2 = await c.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
-            r3 = await c.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [' + b"1," * 90_000 + b"1]}")
+            r3 = await c.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [' + b"1," * 90_000 + b"1]}",
+                              headers={"content-type": "application/json"})
             return r1, r2, r3
     for r in asyncio.run(go()):
         assert_clean(r)

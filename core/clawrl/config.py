@@ -79,6 +79,27 @@ def _check_module_names(names) -> str | None:
     return None
 
 
+# A host as a Host header or an origin writes it: a DNS name or IPv4 address, or an IPv6 address in
+# brackets; an origin is scheme://host[:port] (gateway/origin.py parses both with these).
+HOST_NAME = r"\[[0-9a-fA-F:.]+\]|[^\[\]:/@?#\s]+"
+ORIGIN = rf"([a-zA-Z][a-zA-Z0-9+.-]*)://({HOST_NAME})(?::([0-9]{{1,5}}))?"
+
+
+def _check_hosts(hosts) -> str | None:
+    for h in hosts:  # an IPv6 address may come without brackets
+        if not isinstance(h, str) or not (h == "*" or any(re.fullmatch(HOST_NAME, n) for n in (h, f"[{h}]"))):
+            return f"must be host names without scheme or port ('*': any); {_show(h)} is not one"
+    return None
+
+
+def _check_origins(origins) -> str | None:
+    for o in origins:
+        m = re.fullmatch(ORIGIN, o) if isinstance(o, str) else None
+        if m is None or (m.group(3) is not None and int(m.group(3)) > 65535):
+            return f"must be origins scheme://host[:port] (no path, no '*', no 'null'); {_show(o)} is not one"
+    return None
+
+
 # Per-model defaults: a file of this name in model.path; the embedded model's ship with the package.
 MODEL_DEFAULTS_FILE = "clawrl.yaml"
 EMBEDDED_DEFAULTS = Path(__file__).resolve().parent / "conf" / "embedded.yaml"
@@ -153,6 +174,15 @@ class ServerConfig:
     default_max_tokens: int = option(512, "Default max tokens for a completion when the client sends none.", ge=1)
     default_temperature: float = option(1.0, "Sampling temperature of a chat request that sends none (OpenAI's "
                                         "default is 1); 0: greedy, for clients that cannot set one.", ge=0, le=2)
+    allowed_hosts: Optional[list] = option(None, "Host names the server answers to (the Host header without its port; "
+                                           "others get 421, which defeats DNS rebinding); '*': any. null: server.host, "
+                                           "localhost, 127.0.0.1 and ::1 on a loopback bind; any on another bind "
+                                           "(which requires server.api_key).", check=_check_hosts,
+                                           allowed="null or a list of host names or '*'", type_name="list[str]")
+    allowed_origins: list = option([], "Web page origins (scheme://host[:port]) besides the server's own that may "
+                                   "call it from a browser, answered with CORS; a request with another Origin gets "
+                                   "403. []: none, no CORS.", check=_check_origins,
+                                   allowed="a list of origins scheme://host[:port]", type_name="list[str]")
     rate_limit: RateLimitConfig = section(RateLimitConfig, "Per-caller limits on requests and tokens per minute.")
 
 

@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GE
 key), and for the admin ``GET /admin/status``, ``GET /admin/sessions``,
 ``GET /admin/sessions/{id}``, ``PATCH /admin/turns/{id}`` ``{"label": "main"|"side"|"excluded"}``:
 ``server.admin_key`` opens them, the API key never does, and without an admin key they answer
-loopback clients only (``auth.AdminGuard``).
+loopback clients under a loopback host name only (``auth.AdminGuard``). Session ids may hold ``/``.
 
 What clawrl adds to, or does differently from, OpenAI's API (documented here because clients see it):
 
@@ -22,6 +22,9 @@ What clawrl adds to, or does differently from, OpenAI's API (documented here bec
   valid JSON but not unicode) are 400s naming where (``json_limits``). As in OpenAI, a ``tool``
   message must answer a ``tool_calls`` id of the assistant message before it, and
   ``function.arguments`` must be a string.
+- Bodies must be ``Content-Type: application/json`` (415 else). A Host header outside
+  ``server.allowed_hosts`` is 421, an ``Origin`` that is neither the server's own nor in
+  ``server.allowed_origins`` is 403, and CORS is answered for those origins only (``origin``).
 - ``system_fingerprint`` is ``clawrl-w<weight version>``: which weights answered.
 - Overload (``server.max_queue`` requests already waiting for one of ``engine.max_batch_size``
   slots) is 429 with ``Retry-After``; engine failures are 503 with OpenAI's error JSON.

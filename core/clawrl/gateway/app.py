@@ -30,11 +30,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from clawrl.config import ClawrlConfig
 from clawrl.engines.base import ContextLengthExceeded, Engine, EngineError, SamplingParams, TokenChunk
 from clawrl.gateway import openapi
 from clawrl.gateway.auth import AdminGuard, key_rings
+from clawrl.gateway.origin import BrowserPolicy, host_name
 from clawrl.gateway.protocol import ApiError, ChatRequest, bad_request, parse_chat_request, parse_json_body
 from clawrl.gateway.rate_limits import RateLimiter, Reservation
 from clawrl.gateway.render import RenderedPrompt, context_error, render_prompt
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 _TURN_ID = re.compile("[0-9]{1,18}")
+_JSON_MEDIA_TYPE = re.compile(r'\s*application/json\s*(;\s*charset\s*=\s*"?utf-?8"?\s*)?', re.I)
 
 
 class Admission:
@@ -390,6 +394,16 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object, sent as ``application/json`` (415 else: any web page may send a
+    form or ``text/plain`` body here without a preflight, but never that) in at most ``limit`` bytes."""
+    content_type = request.headers.get("content-type")
+    if content_type is None or not _JSON_MEDIA_TYPE.fullmatch(content_type):
+        raise ApiError(415, f"the request body must be sent as Content-Type: application/json (got {content_type!r})",
+                       code="unsupported_media_type")
+    return parse_json_body(await read_body(request, limit))
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 past ``limit`` bytes (by Content-Length, or while it streams in)."""
     declared = request.headers.get("content-length")
@@ -440,26 +454,51 @@ class CatchAll:
             await _error_response(_as_api_error(e, self.store_refusals))(scope, receive, send)
 
 
-class AdminGate:
-    """ASGI middleware: every request for a path under /admin passes ``AdminGuard`` first.
+class Gate:
+    """ASGI middleware: ``check`` runs before every HTTP request reaches a route, and the ApiError
+    it raises is the answer. Checking by path rather than in each route means a route added by any
+    layer (the learner's pause and resume) cannot forget it, and the check sees the client's
+    address, which a route's key check does not."""
 
-    Guarding by path rather than in each route means a route added under /admin by any layer
-    (the learner's pause and resume) cannot forget it, and the guard sees the client's address,
-    which a route's key check does not.
-    """
+    def __init__(self, app):
+        self.app = app
 
-    def __init__(self, app, guard: AdminGuard):
-        self.app, self.guard = app, guard
+    def check(self, scope, headers: Headers) -> None:
+        raise NotImplementedError
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"] == "/admin" or scope["path"].startswith("/admin/")):
-            client = scope.get("client")
+        if scope["type"] == "http":
             try:
-                self.guard.check(Headers(scope=scope).get("authorization"), client[0] if client else None)
+                self.check(scope, Headers(scope=scope))
             except ApiError as e:
                 await _error_response(e)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class AdminGate(Gate):
+    """Every request for a path under /admin passes ``AdminGuard`` first."""
+
+    def __init__(self, app, guard: AdminGuard):
+        super().__init__(app)
+        self.guard = guard
+
+    def check(self, scope, headers: Headers) -> None:
+        if scope["path"] == "/admin" or scope["path"].startswith("/admin/"):
+            client = scope.get("client")
+            self.guard.check(headers.get("authorization"), client[0] if client else None,
+                             host_name(headers.get("host")))
+
+
+class BrowserGate(Gate):
+    """Every request passes the Host allow-list and the Origin check (``origin.BrowserPolicy``)."""
+
+    def __init__(self, app, policy: BrowserPolicy):
+        super().__init__(app)
+        self.policy = policy
+
+    def check(self, scope, headers: Headers) -> None:
+        self.policy.check(scope["scheme"], headers.get("host"), headers.get("origin"))
 
 
 def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> FastAPI:
@@ -483,6 +522,12 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     app.state.gateway = gw
     app.add_middleware(CatchAll, store_refusals=gw.store_refusals)
     app.add_middleware(AdminGate, guard=gw.admin_guard)
+    browsers = BrowserPolicy(cfg.server)
+    if browsers.origins:  # outside AdminGate: a preflight carries no key; inside BrowserGate: listed origins only
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(browsers.origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Session-Id", "X-Turn-Ids", "Retry-After"],
+                           allow_private_network=True)  # a listed page may be public, the server on loopback
+    app.add_middleware(BrowserGate, policy=browsers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -492,6 +537,12 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     async def http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return _error_response(ApiError(e.status_code, str(e.detail), code=code))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect):
+        log.info("%s %s: the client went away before sending its whole body; nothing was done", request.method,
+                 request.url.path)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
@@ -523,7 +574,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     @app.post("/v1/chat/completions", openapi_extra=openapi.CHAT_COMPLETIONS)
     async def chat_completions(request: Request):
         caller_key = gw.caller(request)
-        body = parse_json_body(await read_body(request, cfg.server.max_body_bytes))
+        body = await read_json(request, cfg.server.max_body_bytes)
         req = parse_chat_request(body, cfg.server.default_temperature)
         if req.model != gw.model_name:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{gw.model_name}'",
@@ -578,7 +629,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
             raise bad_request("limit must be 1..1000 and offset >= 0", param="limit")
         return {"object": "list", "data": await asyncio.to_thread(store.list_sessions, limit, offset)}
 
-    @app.get("/admin/sessions/{session_id}")
+    @app.get("/admin/sessions/{session_id:path}")  # a session id may hold '/' (X-Session-Id: team/alice)
     async def admin_session(session_id: str):
         session = await asyncio.to_thread(store.get_session, session_id)
         if session is None:
@@ -587,7 +638,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
 
     @app.patch("/admin/turns/{turn_id}", openapi_extra=openapi.RELABEL_TURN)
     async def admin_relabel(request: Request, turn_id: str):
-        body = parse_json_body(await read_body(request, cfg.server.max_body_bytes))
+        body = await read_json(request, cfg.server.max_body_bytes)
         if not _TURN_ID.fullmatch(turn_id):  # ASCII digits that fit SQLite's INTEGER ("²".isdigit() too)
             raise ApiError(404, f"no turn with id {turn_id}", param="turn_id", code="turn_not_found")
         label = body.get("label")

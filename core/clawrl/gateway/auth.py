@@ -8,7 +8,7 @@ Keys are never logged.
 
 /admin opens only with ``server.admin_key``, never with the API key: the API key is handed to
 every chat client, and /admin relabels turns and pauses training. Without an admin key, /admin
-answers loopback clients only (``AdminGuard``).
+answers loopback clients only, and only under a loopback host name (``AdminGuard``).
 """
 from __future__ import annotations
 
@@ -93,13 +93,19 @@ class AdminGuard:
     def __init__(self, ring: KeyRing):
         self.ring = ring
 
-    def check(self, authorization: str | None, client_host: str | None) -> None:
+    def check(self, authorization: str | None, client_host: str | None, server_name: str | None) -> None:
+        """``server_name``: the host the request names (its Host header's). Without a key it must be
+        a loopback name too: a DNS-rebinding page reaches loopback under a name of its own."""
         if self.ring.keys:
             self.ring.check(authorization)
             return
         if client_host is None or not is_loopback(client_host):
             raise ApiError(403, "/admin answers only loopback clients while server.admin_key is unset; "
                            "set server.admin_key to use it from another machine", code="admin_key_required")
+        if server_name is None or not is_loopback(server_name):
+            raise ApiError(403, f"/admin answers a request for the host {server_name!r} only with server.admin_key; "
+                           "without it, address the server as localhost, 127.0.0.1 or [::1]",
+                           code="admin_key_required")
 
 
 def key_rings(server: ServerConfig) -> tuple[KeyRing, KeyRing]:
