@@ -48,6 +48,7 @@ from clawrl.store import UnknownTurn
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+RENDER_THREADS = 2
 _TURN_ID = re.compile("[0-9]{1,18}")
 
 
@@ -149,6 +150,9 @@ class Gateway:
         if not self.admin_keys.keys:
             log.info("server.admin_key is unset: /admin answers loopback clients only")
         self.admission = Admission(cfg.engine.max_batch_size, cfg.server.max_queue)
+        # Rendering a multi-megabyte prompt takes seconds of CPU: it runs in worker threads, at most
+        # RENDER_THREADS at once, so huge requests neither stall the event loop nor take every thread.
+        self.render_limiter = anyio.CapacityLimiter(RENDER_THREADS)
         self.rate_limits = RateLimiter(cfg.server.rate_limit, self.api_keys.keys)
         self.created = int(time.time())
         # Extra /admin/status sections from the layers above (e.g. training); each is a synchronous
@@ -525,7 +529,8 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{gw.model_name}'",
                            param="model", code="model_not_found")
         hints = _hints(request, body)
-        prompt = render_prompt(gw.tokenizer, req, gw.max_context, cfg.server.truncate_history)
+        prompt = await anyio.to_thread.run_sync(render_prompt, gw.tokenizer, req, gw.max_context,
+                                                cfg.server.truncate_history, limiter=gw.render_limiter)
         params = gw.sampling(req, len(prompt.ids))
         tokens = gw.rate_limits.reserve(caller_key, len(prompt.ids) + req.n * params.max_new_tokens)
         try:
