@@ -50,13 +50,13 @@ def small_chat_latency(server, pool: ThreadPoolExecutor, n: int = 3) -> float:
 def test_a_7mb_message_does_not_delay_a_concurrent_small_chat(server):
     with ThreadPoolExecutor(3) as pool:
         small_chat_latency(server, pool)  # warm up
-        baseline = min(small_chat_latency(server, pool) for _ in range(3))
+        baseline = statistics.median(small_chat_latency(server, pool) for _ in range(3))
         big = {**SMALL, "messages": [{"role": "user", "content": "x" * 7_000_000}]}
         answer = []
         sender = threading.Thread(target=lambda: answer.append(post(server, big)))
         sender.start()
         time.sleep(1.0)  # the upload is in and rendering has begun (it takes seconds)
-        loaded = min(small_chat_latency(server, pool) for _ in range(3))
+        loaded = small_chat_latency(server, pool)
         overlapped = sender.is_alive()
         sender.join()
     assert answer[0].status_code == 400 and answer[0].json()["error"]["code"] == "context_length_exceeded"
