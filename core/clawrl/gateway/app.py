@@ -538,7 +538,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         except BaseException:
             tokens.settle(0)
             raise
-        turn = None
+        turn = plan = None
         try:
             plan = await asyncio.to_thread(linker.begin, body["messages"], body.get("tools"),
                                            caller_key=caller_key, user=req.user, hints=hints)
@@ -547,6 +547,8 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         except BaseException as e:
             if turn is not None:
                 await turn.abort_unfinished()
+            if plan is not None:
+                linker.release(plan)
             gw.admission.release(req.n)
             tokens.settle(0)
             if isinstance(e, SessionInputError):

@@ -1,5 +1,6 @@
-"""The event loop stays responsive while a huge prompt is rendered, and concurrent identical
-requests are linked as sequential ones are: a live uvicorn server with the real TorchEngine."""
+"""The gateway under concurrency, on a live uvicorn server with the real TorchEngine: the event
+loop stays responsive while a huge prompt is rendered, and identical requests sent at once are
+linked as if sent one by one (one main turn, the rest regenerates)."""
 from __future__ import annotations
 
 import statistics
@@ -63,3 +64,30 @@ def test_a_7mb_message_does_not_delay_a_concurrent_small_chat(server):
     print(f"small chat: {baseline * 1000:.0f} ms alone, {loaded * 1000:.0f} ms beside a 7 MB message")
     assert loaded - baseline < 0.1
     assert overlapped, "the big request finished before the small chats: nothing was measured"
+
+
+def session_turn_types(server, answers) -> list[str]:
+    """The turn types stored for ``answers`` (all in one session), main first."""
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    sessions = {a.headers["X-Session-Id"] for a in answers}
+    assert len(sessions) == 1, sessions
+    return sorted((t["turn_type"], t["link_rule"]) for t in server.store.get_session(sessions.pop())["turns"])
+
+
+@pytest.mark.parametrize("opening", [True, False], ids=["opening", "follow_up"])
+def test_concurrent_identical_requests_link_as_sequential_ones(server, opening):
+    def body(tag):
+        first = {**SMALL, "messages": [{"role": "user", "content": f"race {tag}"}]}
+        if opening:
+            return first
+        reply = post(server, first).json()["choices"][0]["message"]["content"]  # a stored parent
+        return {**SMALL, "messages": [*first["messages"], {"role": "assistant", "content": reply},
+                                      {"role": "user", "content": "again"}]}
+
+    one_by_one, at_once = body(f"one by one {opening}"), body(f"at once {opening}")
+    sequential = [post(server, one_by_one) for _ in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(lambda _: post(server, at_once), range(8)))
+    expected = session_turn_types(server, sequential)
+    assert [t for t, _ in expected].count("main") == (1 if opening else 2)  # a follow-up: its opening too
+    assert session_turn_types(server, concurrent) == expected
