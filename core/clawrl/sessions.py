@@ -296,6 +296,9 @@ class SessionLinker:
         self.store = store
         self.idle_timeout_s = idle_timeout_s
         self._lock = threading.Lock()  # a link decision reads then writes; two must not interleave
+        # Linked but not yet recorded, by request key: an identical request arriving meanwhile is a
+        # resend of it, exactly as if it had been stored (else concurrent twins all become main).
+        self._in_flight: dict[str, TurnPlan] = {}
 
     def caller_hash(self, caller_key: Optional[str]) -> str:
         """The salted hash that stands for an API key; the key itself is never stored."""
@@ -348,13 +351,14 @@ class SessionLinker:
                 branch_id=place.branch_id, fork=place.fork,
                 next_state=(place.parent_turn_id, new_input) if place.supplies_next_state else None,
             )
-        plan = TurnPlan(
-            session_id=session_id, branch_id=branch_id, parent_turn_id=place.parent_turn_id,
-            turn_index=place.turn_index, turn_type=turn_type, type_rule=type_rule, link_rule=link.rule,
-            next_state_for=place.parent_turn_id if place.supplies_next_state else None, messages=norm,
-            history_len=hist_len, tools=tools, caller_hash=caller, request_key=chain[-1], done=hints.done,
-            created_at=now,
-        )
+            plan = TurnPlan(
+                session_id=session_id, branch_id=branch_id, parent_turn_id=place.parent_turn_id,
+                turn_index=place.turn_index, turn_type=turn_type, type_rule=type_rule, link_rule=link.rule,
+                next_state_for=place.parent_turn_id if place.supplies_next_state else None, messages=norm,
+                history_len=hist_len, tools=tools, caller_hash=caller, request_key=chain[-1], done=hints.done,
+                created_at=now,
+            )
+            self._in_flight.setdefault(plan.request_key, plan)
         log.info("request linked: session %s branch %d turn %d (%s, %s/%s)%s", plan.session_id, plan.branch_id,
                  plan.turn_index, plan.link_rule, plan.turn_type, plan.type_rule,
                  f"; next state of turn {plan.next_state_for} stored" if plan.next_state_for else "")
@@ -379,6 +383,9 @@ class SessionLinker:
                 break
         if resent:
             return _Link("resend", parent, resent[0], prefix_len)
+        twin = self._in_flight.get(chain[-1])
+        if twin is not None and mine([twin]):
+            return _Link("resend", parent, _pending_ref(twin), prefix_len)
         if parent:
             return _Link("prefix", parent, None, prefix_len)
         return None
@@ -428,6 +435,21 @@ class SessionLinker:
         same plan: each becomes a turn, and the one the client keeps in its history gets the next state.
         ``temperature``: the temperature the logprobs were taken at (``SamplingParams.logprob_temperature``).
         """
+        try:
+            return self._record(plan, prompt_ids, response_ids, logprobs, weight_versions, response_text,
+                                tool_calls, tool_parse_error, finish_reason, status, temperature)
+        finally:
+            self.release(plan)
+
+    def release(self, plan: TurnPlan) -> None:
+        """Drop ``plan``'s in-flight claim: it is recorded (identical requests now find it in the
+        store) or it will never be (the request failed before serving)."""
+        with self._lock:
+            if self._in_flight.get(plan.request_key) is plan:
+                del self._in_flight[plan.request_key]
+
+    def _record(self, plan, prompt_ids, response_ids, logprobs, weight_versions, response_text, tool_calls,
+                tool_parse_error, finish_reason, status, temperature) -> int:
         reply = normalize_message({"role": "assistant", "content": response_text, "tool_calls": tool_calls})
         reply_key = _extend(plan.request_key, reply) if status == "complete" else None
         return self.store.record_turn(TurnRecord(
@@ -454,6 +476,14 @@ class _Placement:
     parent_turn_id: Optional[int]
     turn_index: int
     supplies_next_state: bool  # the request's new input becomes the parent's next state
+
+
+def _pending_ref(plan: TurnPlan) -> TurnRef:
+    """An in-flight twin as the stored turn it will be: answered (so a twin is a regenerate), with
+    no turn id yet (its regenerates branch beside it without naming it as their sibling)."""
+    return TurnRef(turn_id=None, session_id=plan.session_id, branch_id=plan.branch_id,
+                   parent_turn_id=plan.parent_turn_id, turn_index=plan.turn_index, status="complete",
+                   close_reason=None, next_state=None)
 
 
 def _is_regenerate(link: _Link, new_input: list) -> bool:

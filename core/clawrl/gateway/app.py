@@ -52,6 +52,7 @@ from clawrl.store import UnknownTurn
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+RENDER_THREADS = 2
 _TURN_ID = re.compile("[0-9]{1,18}")
 _JSON_MEDIA_TYPE = re.compile(r'\s*application/json\s*(;\s*charset\s*=\s*"?utf-?8"?\s*)?', re.I)
 
@@ -154,6 +155,9 @@ class Gateway:
         if not self.admin_keys.keys:
             log.info("server.admin_key is unset: /admin answers loopback clients only")
         self.admission = Admission(cfg.engine.max_batch_size, cfg.server.max_queue)
+        # Rendering a multi-megabyte prompt takes seconds of CPU: it runs in worker threads, at most
+        # RENDER_THREADS at once, so huge requests neither stall the event loop nor take every thread.
+        self.render_limiter = anyio.CapacityLimiter(RENDER_THREADS)
         self.rate_limits = RateLimiter(cfg.server.rate_limit, self.api_keys.keys)
         # a full disk's stretch of 507s: one warning when the store starts refusing, one line when it writes again
         self.store_refusals = Backoff("the turn store", "chat requests get 507 and nothing of them is stored",
@@ -580,7 +584,8 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{gw.model_name}'",
                            param="model", code="model_not_found")
         hints = _hints(request, body)
-        prompt = render_prompt(gw.tokenizer, req, gw.max_context, cfg.server.truncate_history)
+        prompt = await anyio.to_thread.run_sync(render_prompt, gw.tokenizer, req, gw.max_context,
+                                                cfg.server.truncate_history, limiter=gw.render_limiter)
         params = gw.sampling(req, len(prompt.ids))
         tokens = gw.rate_limits.reserve(caller_key, len(prompt.ids) + req.n * params.max_new_tokens)
         try:
@@ -588,7 +593,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         except BaseException:
             tokens.settle(0)
             raise
-        turn = None
+        turn = plan = None
         try:
             plan = await asyncio.to_thread(linker.begin, body["messages"], body.get("tools"),
                                            caller_key=caller_key, user=req.user, hints=hints)
@@ -597,6 +602,8 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
         except BaseException as e:
             if turn is not None:
                 await turn.abort_unfinished()
+            if plan is not None:
+                linker.release(plan)
             gw.admission.release(req.n)
             tokens.settle(0)
             if isinstance(e, SessionInputError):
