@@ -13,7 +13,6 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import openai
 import pytest
 
 from clawrl.cli import main
@@ -186,5 +185,5 @@ def test_a_known_name_not_fetched_fails_at_start_naming_the_command(empty_home, 
 
 
 def test_an_unknown_bare_name_lists_the_known_ones(empty_home):
-    with pytest.raises(ConfigError, match=f"not a directory and not a model name: unknown model 'qwen9'; known: {NAME}"):
+    with pytest.raises(ConfigError, match=f"not a model name: unknown model 'qwen9'; known: {NAME}"):
         compose(["model.path=qwen9"])

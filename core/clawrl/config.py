@@ -92,7 +92,8 @@ DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 @dataclass(frozen=True)
 class ModelConfig:
     path: Optional[str] = option(None, "HF model directory, or the name of a model clawrl model get/import "
-                                 "installed (clawrl model list). null: the embedded tiny chat model, built on first use.")
+                                 "installed (clawrl model list). null: the embedded tiny chat model, built on first "
+                                 "use.")
     name: Optional[str] = option(None, 'The model id clients send in "model"; null: the directory\'s name.')
     dtype: str = option("auto", "Serving dtype. auto: bf16 on CUDA, fp32 on CPU; or float32 | bfloat16 | float16 "
                         "(fp32, bf16, fp16 are aliases).", choices=DTYPES)

@@ -23,7 +23,8 @@ def _said(name: str, done: Installed, t0: float) -> str:
     size = directory_size(done.path) / 1e6
     if not done.installed:
         return f"{name}: {done.path} ({size:.1f} MB), already installed; its manifest's hashes match"
-    return f"{name}: installed in {done.path} ({size:.1f} MB) in {time.time() - t0:.0f} s; serve it with model.path={name}"
+    return (f"{name}: installed in {done.path} ({size:.1f} MB) in {time.time() - t0:.0f} s; "
+            f"serve it with model.path={name}")
 
 
 def get_cli(args) -> int:
