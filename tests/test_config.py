@@ -498,7 +498,9 @@ def test_describe_config_lists_every_key_with_type_default_and_help():
 
 # --- user-facing examples compose ----------------------------------------------------------------
 
-_PLACEHOLDERS = {"N", "M", "DIR", "..."}
+# and directories the text has just written (model.path=E, my-model): a bare name that is no directory
+# is refused as an unknown model name
+_PLACEHOLDERS = {"N", "M", "DIR", "...", "E", "my-model"}
 
 
 def _documented_overrides() -> dict[str, str]:

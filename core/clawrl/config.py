@@ -22,11 +22,13 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
+
+from clawrl.models.catalog import ModelNameError, resolve_model_ref
 
 
 class ConfigError(ValueError):
@@ -110,7 +112,9 @@ DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: Optional[str] = option(None, "HF model directory. null: the embedded tiny chat model, built on first use.")
+    path: Optional[str] = option(None, "HF model directory, or the name of a model clawrl model get/import "
+                                 "installed (clawrl model list). null: the embedded tiny chat model, built on first "
+                                 "use.")
     name: Optional[str] = option(None, 'The model id clients send in "model"; null: the directory\'s name.')
     dtype: str = option("auto", "Serving dtype. auto: bf16 on CUDA, fp32 on CPU; or float32 | bfloat16 | float16 "
                         "(fp32, bf16, fp16 are aliases).", choices=DTYPES)
@@ -321,7 +325,8 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class JudgeModelConfig:
-    path: Optional[str] = option(None, "HF directory of the PRM judge model; null: the frozen base policy.")
+    path: Optional[str] = option(None, "HF directory (or installed model name) of the PRM judge model; null: the "
+                                 "frozen base policy.")
 
 
 @dataclass(frozen=True)
@@ -342,7 +347,7 @@ class OpdConfig:
     votes: int = option(3, "Votes per turn for the model hint judge; a strict majority must accept.", ge=1)
     teacher: str = option("policy", "Teacher scoring the sampled tokens under the hinted prompt: policy (the "
                           "serving engine) | base (a frozen copy of the starting policy, which cannot drift with "
-                          "the student) | a model path.", nonempty=True)
+                          "the student) | a model path or installed model name.", nonempty=True)
     topk: int = option(0, "Teacher top-k ids/logprobs stored per token for top-k distillation; 0: sampled tokens "
                        "only.", ge=0, le=20)
     concurrency: int = option(1, "Turns hint-judged or teacher-scored at once; keep small so scoring never crowds "
@@ -763,7 +768,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
     if layer is not None:
         layers.append(layer)
     first, _ = _merge(layers, dotlist)
-    model_file = model_defaults_path(first.model.path)
+    model_file = model_defaults_path(_model_ref(first.model.path, "model.path"))
     if model_file is not None:
         model_layer = _load_layer(model_file)
         if "model.path" in _leaf_keys(model_layer):
@@ -771,7 +776,22 @@ def compose(overrides: list[str] | tuple[str, ...] = (), yaml_path: str | None =
         layers.insert(0, (str(model_file), model_layer))
     cfg, sources = _merge(layers, dotlist)
     validate_config(cfg, sources)
-    return cfg
+    return _resolve_model_names(cfg)
+
+
+def _model_ref(value: str | None, key: str) -> str | None:
+    try:
+        return resolve_model_ref(value)
+    except ModelNameError as e:
+        raise ConfigError(f"{key}={value}: {e}") from None
+
+
+def _resolve_model_names(cfg: ClawrlConfig) -> ClawrlConfig:
+    """Model settings that name an installed model (``clawrl model get``) as its directory."""
+    teacher = cfg.opd.teacher if cfg.opd.teacher in ("policy", "base") else _model_ref(cfg.opd.teacher, "opd.teacher")
+    judge_model = replace(cfg.judge.model, path=_model_ref(cfg.judge.model.path, "judge.model.path"))
+    return replace(cfg, model=replace(cfg.model, path=_model_ref(cfg.model.path, "model.path")),
+                   judge=replace(cfg.judge, model=judge_model), opd=replace(cfg.opd, teacher=teacher))
 
 
 def _parse_overrides(overrides) -> list[tuple[str, Any]]:
