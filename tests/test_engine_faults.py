@@ -165,28 +165,45 @@ JUNK = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=6,
 )
-INTS = st.integers(min_value=-(2**70), max_value=2**70) | st.sampled_from([0, 1, 2, 16, 17, 2**31, 2**63 - 2, 2**63])
+EDGES = [-1, 0, 1, 2**31, 2**63 - 17, 2**63 - 3, 2**63 - 2, 2**63 - 1, 2**63, 2**64]  # int64's edges
+INTS = st.sampled_from(EDGES) | st.integers(min_value=-(2**70), max_value=2**70)
 FIELDS = {
     "temperature": st.floats(allow_nan=False, allow_infinity=False, min_value=-5, max_value=5) | JUNK,
     "top_p": st.floats(allow_nan=False, allow_infinity=False, min_value=-1, max_value=2) | JUNK,
-    "top_k": INTS | JUNK, "n": st.integers(-2, 20) | JUNK, "seed": INTS | JUNK,
+    "top_k": INTS | JUNK, "n": st.sampled_from([1, 2, 3, 16, 17]) | st.integers(-2, 20) | JUNK, "seed": INTS | JUNK,
     "max_tokens": st.integers(-2, 6) | st.sampled_from([2**31, 2**63]) | JUNK,  # 2**31: clamped to the context
     "max_completion_tokens": st.integers(-2, 6) | JUNK,
     "logprobs": st.booleans() | JUNK, "top_logprobs": st.integers(-2, 25) | JUNK,
     "presence_penalty": st.floats(allow_nan=False, allow_infinity=False) | JUNK,
     "frequency_penalty": st.floats(allow_nan=False, allow_infinity=False) | JUNK,
     "stop": JUNK, "stream": st.booleans() | JUNK, "user": JUNK, "tools": JUNK, "tool_choice": JUNK,
-    "model": st.just(MODEL) | JUNK,
+    "model": st.sampled_from([MODEL] * 3) | JUNK,
     "messages": st.just(HI) | st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
                                                              "content": st.text(max_size=12) | JUNK}), max_size=2)
     | JUNK,
 }
-REQUESTS = st.fixed_dictionaries({}, optional=FIELDS)
+# each value fits its field alone; seed with n may not (2**63 - 1 and n=2 overflowed int64 in the engine)
+VALID = {"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 700),
+         "n": st.integers(1, 4), "seed": st.integers(0, 2**63 - 1), "max_tokens": st.integers(1, 4),
+         "logprobs": st.booleans(), "stream": st.booleans(), "user": st.text(max_size=8)}
+
+
+@st.composite
+def requests(draw) -> dict:
+    """A valid request with up to three fields made hostile, or one of nothing but hostile fields
+    (missing model or messages included): a check that is missing shows as the engine failing."""
+    if draw(st.integers(0, 4)) == 0:
+        return draw(st.fixed_dictionaries({}, optional=FIELDS))
+    body = {"model": MODEL, "messages": HI, "max_tokens": 4, **draw(st.fixed_dictionaries({}, optional=VALID))}
+    for key in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=3, unique=True)):
+        body[key] = draw(FIELDS[key])
+    return body
+
 
 
 @settings(max_examples=200, derandomize=True, database=None, deadline=None,
           suppress_health_check=list(HealthCheck), print_blob=False)
-@given(body=REQUESTS)
+@given(body=requests())
 def test_hostile_chat_requests_never_5xx(client, body):
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code < 500, (body, r.status_code, r.text[:300])
