@@ -164,6 +164,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.top_logprobs < 0 or self.top_logprobs > 20:
             raise ValueError("top_logprobs must be between 0 and 20")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # engines keep it in an int64 tensor
+            raise ValueError("seed must fit in a signed 64-bit integer")
 
 
 @dataclass

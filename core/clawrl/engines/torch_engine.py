@@ -291,7 +291,10 @@ class TorchEngine(Engine):
                 if not self._paused:
                     self._admit()
                     if self._running:
-                        self._step()
+                        try:
+                            self._step()
+                        except Exception as e:  # this step's requests fail; the thread serves on
+                            self._fail_step(e)
                         if not self._running:
                             self.runner.release()
                 if self._launched is not None and (self._paused or not self._running):
@@ -357,6 +360,23 @@ class TorchEngine(Engine):
                 self._prepare(req)
         log.info("weights updated to version %d (%d tensors)", version, len(state))
 
+    def _fail_step(self, err: Exception) -> None:
+        """A step raised: fail every running request and those of the in-flight decode step."""
+        launched, self._launched = self._launched, None
+        self._fail_requests([*self._running, *(launched.members if launched is not None else ())], err)
+
+    def _fail_requests(self, reqs: list[_Request], err: Exception) -> None:
+        """Fail ``reqs`` (the requests of a failed step) with one log line naming them, releasing
+        their KV and decoder slots, never caching that KV; the other requests go on."""
+        reqs = [r for i, r in enumerate(reqs) if not r.done and r not in reqs[:i]]
+        log.warning("engine step failed (%s: %s): failing requests %s", type(err).__name__, str(err)[:200],
+                    ", ".join(r.rid for r in reqs))
+        log.debug("engine step failure", exc_info=err)
+        failure = EngineError(f"engine step failed: {type(err).__name__}: {str(err)[:200]}")
+        for req in reqs:
+            req.kv_version = -1  # its KV is suspect
+            self._fail(req, failure)
+
     def _admit(self) -> None:
         """Waiting requests join the batch, live chat before rollouts (``SamplingParams.priority``),
         first come first served within a priority."""
@@ -366,7 +386,8 @@ class TorchEngine(Engine):
             try:
                 self._prepare(req)
             except Exception as e:  # e.g. out of memory for its KV: this request fails, not the engine
-                log.exception("cannot admit request %s", req.rid)
+                log.warning("cannot admit request %s: %s: %s", req.rid, type(e).__name__, str(e)[:200])
+                log.debug("admission failure", exc_info=e)
                 self._fail(req, EngineError(f"cannot allocate the request: {type(e).__name__}: {str(e)[:200]}"))
                 continue
             self._running.append(req)
@@ -392,10 +413,7 @@ class TorchEngine(Engine):
                 launched = self.decoder.launch()
                 launched.version = version
             except Exception as e:
-                log.exception("static decode step failed")
-                for req in list(self.decoder.members):
-                    req.kv_version = -1  # its slot's KV is suspect: never cache it
-                    self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
+                self._fail_requests(list(self.decoder.members), e)
         if segments:
             self._eager_step(segments, owners, version)
         self._collect()  # the previous decode step's tokens, read while this one runs
@@ -412,9 +430,7 @@ class TorchEngine(Engine):
         try:
             logits = self.runner.forward(segments)
         except Exception as e:  # keep serving others; these requests get a one-line error
-            log.exception("engine step failed")
-            for req in owners:
-                self._fail(req, EngineError(f"engine step failed: {type(e).__name__}: {str(e)[:200]}"))
+            self._fail_requests(owners, e)
             return
         sample_reqs, rows, row = [], [], 0
         for seg, req in zip(segments, owners):
@@ -427,10 +443,23 @@ class TorchEngine(Engine):
             row += n
         if sample_reqs:
             picked = logits[torch.tensor(rows, device=logits.device)]
-            draws = sample_rows(picked, [r.params for r in sample_reqs], [r.seed for r in sample_reqs],
-                                [len(r.out_ids) for r in sample_reqs])
+            try:
+                draws = self._sample(picked, sample_reqs)
+            except Exception:  # one request's sampling may be at fault: find it, the others go on
+                draws = []
+                for k, req in enumerate(sample_reqs):
+                    try:
+                        draws.extend(self._sample(picked[k: k + 1], [req]))
+                    except Exception as e:
+                        self._fail_requests([req], e)
+                        draws.append(None)
             for req, d in zip(sample_reqs, draws):
-                self._emit_token(req, d, version)
+                if d is not None:
+                    self._emit_token(req, d, version)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, reqs: list[_Request]) -> list:
+        return sample_rows(logits, [r.params for r in reqs], [r.seed for r in reqs], [len(r.out_ids) for r in reqs])
 
     def _collect(self) -> None:
         """Emit the tokens of the last launched decode step (waiting for them if needed)."""

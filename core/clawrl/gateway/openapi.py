@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from clawrl.gateway.protocol import MAX_N, MAX_STOP, NEUTRAL, ROLES
+from clawrl.gateway.protocol import INT64_MAX, MAX_N, MAX_STOP, MAX_TOKENS, NEUTRAL, ROLES
 
 _REF = "#/components/schemas/"
 
@@ -153,14 +153,14 @@ CHAT_REQUEST = {
         "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
         "temperature": _number(0.0, 2.0),
         "top_p": _number(1e-6, 1.0),
-        "top_k": _integer(0),
-        "max_tokens": _integer(1),
-        "max_completion_tokens": _integer(1),
+        "top_k": _integer(0, MAX_TOKENS),
+        "max_tokens": _integer(1, MAX_TOKENS),
+        "max_completion_tokens": _integer(1, MAX_TOKENS),
         "stop": {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1}},
                            {"type": "null"}]},
         "n": _integer(1, MAX_N),
-        "seed": _integer(-(2**63), 2**63 - 1),
+        "seed": {**_integer(0, INT64_MAX - 1), "description": "below 2**63 - n: choice i samples with seed + i"},
         "tools": _nullable({"type": "array", "items": _ref("Tool")}),
         "tool_choice": {"description": "'required' and a named function need 'tools' (and the name among them)",
                         "anyOf": [{"enum": ["auto", "none", "required"]}, _NAMED_FUNCTION, {"type": "null"}]},

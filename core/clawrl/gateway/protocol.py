@@ -53,6 +53,10 @@ CONTENT_PART_UNSUPPORTED = {"image_url": "image", "input_audio": "audio", "file"
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 16
 MAX_STOP = 4
+# Every integer the engine puts in an int64 tensor stays inside it: choice i samples with seed + i
+# (so seed < 2**63 - n), and a top_k or max_tokens past any vocabulary or context means "no limit".
+INT64_MAX = 2**63 - 1
+MAX_TOKENS = 2**31 - 1
 
 
 @dataclass
@@ -289,9 +293,9 @@ def parse_chat_request(body: dict, default_temperature: float = 1.0) -> ChatRequ
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required", param="model")
     messages = _messages(body.get("messages"))
-    max_tokens = _int(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS)  # checked even where the newer name wins
+    max_tokens = _int(body, "max_completion_tokens", 1, MAX_TOKENS) or max_tokens
+    n = _int(body, "n", 1, MAX_N) or 1
     logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", 0, 20) or 0
     if top_logprobs and not logprobs:
@@ -309,11 +313,11 @@ def parse_chat_request(body: dict, default_temperature: float = 1.0) -> ChatRequ
         messages=messages,
         temperature=_number(body, "temperature", 0.0, 2.0, default_temperature),
         top_p=_number(body, "top_p", 1e-6, 1.0, 1.0),
-        top_k=_int(body, "top_k", 0) or 0,
+        top_k=_int(body, "top_k", 0, MAX_TOKENS) or 0,
         max_tokens=max_tokens,
         stop=_stop(body.get("stop")),
-        n=_int(body, "n", 1, MAX_N) or 1,
-        seed=_int(body, "seed", -(2**63), 2**63 - 1),
+        n=n,
+        seed=_int(body, "seed", 0, INT64_MAX + 1 - n),  # the last choice samples with seed + n - 1
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
