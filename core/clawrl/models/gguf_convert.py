@@ -24,6 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from clawrl.errors import CliError
 from clawrl.models.catalog import MANIFEST
+from clawrl.paths import share_tree
 
 # The tensor types transformers' GGUF loader dequantizes (its GGUF documentation's list).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -107,10 +108,9 @@ def sha256_file(path: Path) -> str:
 
 def write_manifest(out: Path, name: str, source: dict, licence: dict) -> dict:
     """Hash every file of ``out`` into its manifest, made world-readable with them."""
-    out.chmod(0o755)
+    share_tree(out)
     files = {}
     for f in sorted(p for p in out.iterdir() if p.is_file()):
-        f.chmod(0o644)
         files[f.name] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
     manifest = {"format": MANIFEST_FORMAT, "name": name, "source": source, "licence": licence, "files": files,
                 "converted_with": _versions()}
