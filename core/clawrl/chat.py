@@ -19,6 +19,7 @@ from clawrl.config import compose
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.engines.base import EngineError, SamplingParams
+from clawrl.engines.chat_template import render_chat
 from clawrl.errors import CliError
 from clawrl.gateway.auth import parse_keys
 
@@ -29,8 +30,7 @@ REQUEST_TIMEOUT_S = 300.0  # a reply from a big model on CPU, behind other reque
 
 def render_prompt(tokenizer, message: str) -> list[int]:
     """Token ids of a one-user-message conversation, ready for the assistant's reply."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = render_chat(tokenizer, [{"role": "user", "content": message}])
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -12,7 +12,8 @@ message arrives (Qwen3 drops the thinking of turns before the last query) cannot
 The reply handed to the environment is decoded from the sampled ids with special tokens kept
 (``<tool_call>`` is one in Qwen-style vocabularies), less the end-of-turn token the model closed
 with. When the first observation carries ``tools``, the template renders them itself, in the
-model's own words for its tool section.
+model's own words for its tool section (or, where it drops them, clawrl's Hermes-style tool prompt:
+``clawrl.engines.chat_template``).
 
 An episode is bounded four ways: model turns (``max_turns``), tokens per turn (the sampling
 params), tokens in all (``max_total_tokens``, the first prompt included) and wall time
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional
 
 from clawrl.engines.base import ContextLengthExceeded, Engine, GenerateResult, SamplingParams
+from clawrl.engines.chat_template import render_chat
 from clawrl.envs.base import Env, EnvError, Observation, StepOutcome, Task
 from clawrl.judges.base import Judge, JudgeInput, message_text
 
@@ -348,8 +350,7 @@ class _Rollout:
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=self.tools,
-                                                      add_generation_prompt=generation_prompt, tokenize=False)
+            return render_chat(self.tokenizer, messages, self.tools, generation_prompt)
         except Exception as e:  # the environment's messages are what the template refuses
             raise _EnvFailed(f"the chat template cannot render the environment's messages: {_one_line(e)}") from e
 

@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from clawrl.engines.chat_template import tool_call_text
+
 TOOL_NAME = "python"
 _TAGGED = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN_TAG = "<tool_call>"
@@ -50,8 +52,7 @@ class Reply:
 
 def format_tool_call(code: str) -> str:
     """A python call exactly as the chat template renders an assistant's ``tool_calls``."""
-    return "<tool_call>\n" + json.dumps({"name": TOOL_NAME, "arguments": {"code": code}}, ensure_ascii=False) + \
-        "\n</tool_call>"
+    return tool_call_text(TOOL_NAME, {"code": code})
 
 
 def parse_reply(reply: str) -> Reply:

@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from clawrl.config import ClawrlConfig
 from clawrl.engines.base import ContextLengthExceeded, Engine, EngineError, SamplingParams, TokenChunk
+from clawrl.engines.chat_template import renders_tools
 from clawrl.gateway import openapi
 from clawrl.gateway.auth import AdminGuard, key_rings
 from clawrl.gateway.origin import BrowserPolicy, host_name
@@ -150,6 +151,7 @@ class Gateway:
         info = engine.model_info()
         self.model_name, self.max_context = info.name, info.max_context
         self.tokenizer = engine.tokenizer
+        renders_tools(self.tokenizer)  # at load, so the log says whether clawrl words the tools itself
         self.api_keys, self.admin_keys = key_rings(cfg.server)  # admin_keys: server.admin_key only
         self.admin_guard = AdminGuard(self.admin_keys)
         if not self.admin_keys.keys:

@@ -1,7 +1,7 @@
 """Chat messages -> prompt token ids, with tool_choice and optional history truncation.
 
-The model's own chat template renders the prompt (``apply_chat_template``), so the gateway never
-guesses a format. ``tool_choice`` is honoured by prompting, not by constrained decoding:
+The model's own chat template renders the prompt (``clawrl.engines.chat_template.render_chat``), so the
+gateway never guesses a format; a template that drops ``tools`` gets clawrl's Hermes-style tool prompt. ``tool_choice`` is honoured by prompting, not by constrained decoding:
 
 - ``none``: the tools are not rendered at all, and output is not parsed for tool calls;
 - ``auto``: tools rendered, the model decides;
@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from clawrl.engines.chat_template import TOOL_OPEN, render_chat
 from clawrl.gateway.protocol import ApiError, ChatRequest, bad_request
-from clawrl.gateway.toolcalls import TOOL_OPEN
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def tool_prefill(req: ChatRequest) -> str:
 
 def _encode(tokenizer, messages: list[dict], tools: list[dict] | None, prefill: str) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = render_chat(tokenizer, messages, tools)
     except Exception as e:  # a template's raise_exception() (e.g. "roles must alternate") is the client's error
         raise bad_request(f"the model's chat template rejected these messages: {str(e).splitlines()[0]}",
                           param="messages") from None

@@ -13,10 +13,9 @@ import secrets
 import string
 from dataclasses import dataclass
 
+from clawrl.engines.chat_template import TOOL_CLOSE, TOOL_OPEN
 from clawrl.gateway import json_limits
 
-TOOL_OPEN = "<tool_call>"
-TOOL_CLOSE = "</tool_call>"
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 

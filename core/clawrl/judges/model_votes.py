@@ -11,6 +11,7 @@ import asyncio
 import json
 
 from clawrl.engines.base import Engine, SamplingParams
+from clawrl.engines.chat_template import render_chat
 from clawrl.judges.base import JudgeError, JudgeInput, message_text
 
 
@@ -68,8 +69,7 @@ class ModelVoter:
         budget = self.engine.model_info().max_context - self.max_new_tokens
         limit = self.section_chars
         while True:
-            text = self.tokenizer.apply_chat_template(self.messages(item, limit), add_generation_prompt=True,
-                                                      tokenize=False)
+            text = render_chat(self.tokenizer, self.messages(item, limit))
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(ids) <= budget:
                 return ids

@@ -53,6 +53,7 @@ from typing import Iterable, Optional, Sequence
 from clawrl.buffer import turn_skip_reason
 from clawrl.config import OpdConfig
 from clawrl.engines.base import ROLLOUT_PRIORITY, ContextLengthExceeded, Engine, GenerateResult, SamplingParams, ScoreResult
+from clawrl.engines.chat_template import render_chat
 from clawrl.judges.base import JudgeInput
 from clawrl.judges.hints import HintJudge, HintVerdict
 from clawrl.samples import Sample, TeacherSignal
@@ -107,7 +108,7 @@ def acceptance(votes: Sequence[dict]) -> float:
 
 
 def _render(tokenizer, messages: list, tools: Optional[list]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    text = render_chat(tokenizer, messages, tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
