@@ -37,7 +37,6 @@ the served weights, and the trainer says so in the log.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -52,6 +51,7 @@ from safetensors.torch import load_file, save_file
 
 from clawrl.config import TrainConfig
 from clawrl.errors import CliError
+from clawrl.hashes import sha256_file
 from clawrl.trainers.base import Trainer, TrainerError
 
 log = logging.getLogger(__name__)
@@ -87,14 +87,6 @@ class ResumeState:
     checkpoint: Path
     source_version: int
     rolled_back: bool = False
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -239,7 +231,7 @@ class CheckpointStore:
         files = {}
         for name in names:
             _fsync(tmp / name)
-            files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+            files[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
         manifest = {"format": 2, "step": step, "weight_version": int(weight_version), "kind": kind,
                     "created_at": time.time(), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -326,7 +318,7 @@ class CheckpointStore:
             f = path / name
             if not f.is_file():
                 raise CorruptCheckpoint(f"{f} is missing")
-            if f.stat().st_size != meta.get("bytes") or _sha256(f) != meta.get("sha256"):
+            if f.stat().st_size != meta.get("bytes") or sha256_file(f) != meta.get("sha256"):
                 raise CorruptCheckpoint(f"{f} does not match its checksum")
         return manifest
 

@@ -25,9 +25,9 @@ from typing import Callable
 from tqdm import tqdm
 
 from clawrl.errors import CliError
+from clawrl.hashes import sha256_file
 from clawrl.models.catalog import KNOWN, MANIFEST, NAME_PATTERN, KnownModel, models_home, unknown_name
-from clawrl.models.gguf_convert import (convert_gguf, inspect_gguf, manifest_problem, read_manifest, sha256_file,
-                                        write_manifest)
+from clawrl.models.gguf_convert import convert_gguf, inspect_gguf, manifest_problem, read_manifest, write_manifest
 
 Note = Callable[[str], None]
 NETWORK_TROUBLE = re.compile(r"NewConnectionError|Failed to establish|Name or service not known|name resolution|"

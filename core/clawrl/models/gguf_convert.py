@@ -11,7 +11,6 @@ no tokenizer or chat template (clawrl serves chat models).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 from collections import Counter
@@ -23,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from clawrl.errors import CliError
+from clawrl.hashes import sha256_file
 from clawrl.models.catalog import MANIFEST
 from clawrl.paths import share_tree
 
@@ -96,14 +96,6 @@ def convert_gguf(path: Path, out: Path) -> None:
         model.generation_config = loaded.generation_config
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_manifest(out: Path, name: str, source: dict, licence: dict) -> dict:

@@ -10,7 +10,6 @@ all we need, so it is fetched as a file.) Nothing is vendored in the repository.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import tarfile
 import tomllib
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clawrl.envs.base import EnvError
+from clawrl.hashes import sha256_file
 from clawrl.paths import data_dir
 
 SIMPLE_INDEX = "https://pypi.org/simple/{name}/"
@@ -88,7 +88,7 @@ def cache_dir() -> Path:
 def sdist_path(pkg: Package) -> Path:
     """The package's sdist in the cache, fetched and checked first when it is not there yet."""
     target = cache_dir() / f"{pkg.name}-{pkg.version}-{pkg.sha256[:12]}.tar.gz"
-    if target.is_file() and _sha256(target) == pkg.sha256:
+    if target.is_file() and sha256_file(target) == pkg.sha256:
         return target
     url = _sdist_url(pkg)
     partial = target.with_suffix(".part")
@@ -99,7 +99,7 @@ def sdist_path(pkg: Package) -> Path:
     except OSError as e:
         partial.unlink(missing_ok=True)
         raise EnvError(f"cannot download {pkg.name} {pkg.version} ({e})") from None
-    got = _sha256(partial)
+    got = sha256_file(partial)
     if got != pkg.sha256:
         partial.unlink()
         raise EnvError(f"{pkg.name} {pkg.version}: the sdist's sha256 is {got}, the pin says {pkg.sha256}")
@@ -129,9 +129,3 @@ def _sdist_url(pkg: Package) -> str:
     raise EnvError(f"PyPI has no sdist of {pkg.name} {pkg.version} with sha256 {pkg.sha256}")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 16):
-            h.update(chunk)
-    return h.hexdigest()
