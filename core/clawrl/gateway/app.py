@@ -151,8 +151,6 @@ class Gateway:
         info = engine.model_info()
         self.model_name, self.max_context = info.name, info.max_context
         self.tokenizer = engine.tokenizer
-        self.defaults = sampling_defaults(info.path, cfg.server.default_temperature)
-        log.info("sampling defaults for requests that send none: %s", self.defaults.describe())
         self.api_keys, self.admin_keys = key_rings(cfg.server)  # admin_keys: server.admin_key only
         self.admin_guard = AdminGuard(self.admin_keys)
         if not self.admin_keys.keys:
@@ -162,6 +160,8 @@ class Gateway:
         # RENDER_THREADS at once, so huge requests neither stall the event loop nor take every thread.
         self.render_limiter = anyio.CapacityLimiter(RENDER_THREADS)
         self.rate_limits = RateLimiter(cfg.server.rate_limit, self.api_keys.keys)
+        self.defaults = sampling_defaults(info.path, cfg.server.default_temperature)
+        log.info("sampling defaults for requests that send none: %s", self.defaults.describe())
         # a full disk's stretch of 507s: one warning when the store starts refusing, one line when it writes again
         self.store_refusals = Backoff("the turn store", "chat requests get 507 and nothing of them is stored",
                                       first_s=0)
