@@ -400,10 +400,3 @@ def test_tool_call_tags_survive_decoding_when_the_tokenizer_marks_them_special(t
     dec = IncrementalDecoder(tok)
     text = "".join(dec.push([i]) for i in ids) + dec.flush()
     assert text == '<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>'  # <|im_end|> hidden
-
-
-def test_a_request_without_a_temperature_gets_the_servers_default_and_one_that_sends_it_keeps_its_own():
-    assert parse_chat_request(body()).temperature == 1.0  # OpenAI's default
-    assert parse_chat_request(body(), default_temperature=0.0).temperature == 0.0
-    assert parse_chat_request(body(temperature=0.7), default_temperature=0.0).temperature == 0.7
-    assert ServerConfig().default_temperature == 1.0

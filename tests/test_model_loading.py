@@ -35,7 +35,8 @@ def test_good_directory_loads_in_eval_mode_with_eos_and_context(good_dir):
     assert not lm.model.training
     assert lm.architecture == "Qwen3ForCausalLM" and lm.name == "good"
     assert lm.max_context == 4096
-    assert lm.eos_token_ids == [lm.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    # the config's eos, then <|endoftext|>: a special end-of-turn token of the vocabulary
+    assert lm.eos_token_ids == [lm.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     assert load_model(str(good_dir), name="served-as").name == "served-as"
 
 

@@ -354,3 +354,12 @@ def test_real_sglang_server_generate_score_and_swap():
             await eng.shutdown()
 
     asyncio.run(go())
+
+
+def test_an_sglang_request_stops_at_every_end_of_turn_id_unless_it_ignores_eos():
+    """SGLang stops at the config's eos only; SmolLM2's ``<|endoftext|>`` must reach it as a stop id."""
+    eng = object.__new__(se.SGLangEngine)  # no SGLang process: only the request it would be sent
+    eng.eos_ids, eng.max_context = [0, 2], 1024
+    eng._stream = lambda prompt, params, rid: params
+    assert eng.stream([1], SamplingParams(stop_token_ids=(5,))).stop_token_ids == (0, 2, 5)
+    assert eng.stream([1], SamplingParams(ignore_eos=True)).stop_token_ids == ()

@@ -176,8 +176,9 @@ class ServerConfig:
     truncate_history: bool = option(False, "Over-long prompts: false answers 400 context_length_exceeded; true "
                                     "keeps the system prompt and the latest turns that fit.")
     default_max_tokens: int = option(512, "Default max tokens for a completion when the client sends none.", ge=1)
-    default_temperature: float = option(1.0, "Sampling temperature of a chat request that sends none (OpenAI's "
-                                        "default is 1); 0: greedy, for clients that cannot set one.", ge=0, le=2)
+    default_temperature: Optional[float] = option(None, "Sampling temperature of a chat request that sends none; "
+                                                  "0: greedy, for clients that cannot set one. null: the model's "
+                                                  "generation_config.json temperature, else 1.", ge=0, le=2)
     allowed_hosts: Optional[list] = option(None, "Host names the server answers to (the Host header without its port; "
                                            "others get 421, which defeats DNS rebinding); '*': any. null: server.host, "
                                            "localhost, 127.0.0.1 and ::1 on a loopback bind; any on another bind "

@@ -20,6 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from clawrl.engines.model_defaults import end_of_turn_ids
+
 log = logging.getLogger(__name__)
 
 
@@ -94,7 +96,7 @@ def load_model(path: str, device: str = "auto", dtype: str = "auto", name: str |
         raise ModelLoadError(f"cannot load weights from {root}: {_first_line(e)}") from None
     model.to(dev).eval()
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0) or int(tokenizer.model_max_length)
-    eos = _eos_ids(model, tokenizer)
+    eos = end_of_turn_ids(tokenizer, getattr(model, "generation_config", None), model.config)
     log.info("loaded %s (%s) from %s on %s/%s, context %d, eos %s",
              name or root.name, arch, root, dev, str(dt).removeprefix("torch."), max_context, eos)
     return LoadedModel(model, tokenizer, name or root.name, str(root), arch, max_context, eos, dev, dt)
@@ -193,13 +195,3 @@ def _safetensors_problem(f: Path) -> str | None:
         return f"truncated: {size} bytes, the header describes {8 + n + end}"
     return None
 
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids: list[int] = []
-    gen = getattr(model, "generation_config", None)
-    for source in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
-                   tokenizer.eos_token_id):
-        for i in source if isinstance(source, (list, tuple)) else [source]:
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return ids

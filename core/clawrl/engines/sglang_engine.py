@@ -37,7 +37,7 @@ import logging
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import torch
@@ -48,6 +48,7 @@ from clawrl.engines.base import (
     ContextLengthExceeded, Engine, EngineError, ModelInfo, SamplingParams, ScoreResult, TokenChunk,
 )
 from clawrl.engines.loading import ModelLoadError, require_path
+from clawrl.engines.model_defaults import end_of_turn_ids, generation_config
 
 log = logging.getLogger(__name__)
 
@@ -509,9 +510,7 @@ class SGLangEngine(Engine):
         self.name = cfg.model.name or path.rstrip("/").split("/")[-1]
         self.path = path
         self.architecture = (getattr(hf_cfg, "architectures", None) or [hf_cfg.model_type])[0]
-        eos = hf_cfg.eos_token_id
-        self.eos_ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-                               *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])})
+        self.eos_ids = sorted(end_of_turn_ids(self.tokenizer, generation_config(path), hf_cfg))
         self._live: set[str] = set()
         # SGLang is started with its default tensor-parallel size 1: one rank joins a weights-update group
         self.weight_updates = SGLangWeightUpdates(TokenizerManagerControl(self._sgl.tokenizer_manager), group_ranks=1)
@@ -537,6 +536,8 @@ class SGLangEngine(Engine):
             raise EngineError("prompt_ids is empty")
         if len(prompt) + params.max_new_tokens > self.max_context:
             raise ContextLengthExceeded(len(prompt), params.max_new_tokens, self.max_context)
+        if not params.ignore_eos:  # SGLang stops at the config's eos only; the other end-of-turn ids are ours
+            params = replace(params, stop_token_ids=tuple(sorted({*params.stop_token_ids, *self.eos_ids})))
         return self._stream(prompt, params, request_id or uuid.uuid4().hex)
 
     async def _stream(self, prompt: list[int], params: SamplingParams, rid: str) -> AsyncIterator[TokenChunk]:

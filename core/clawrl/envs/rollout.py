@@ -46,6 +46,7 @@ from typing import Awaitable, Callable, Optional
 
 from clawrl.engines.base import ContextLengthExceeded, Engine, GenerateResult, SamplingParams
 from clawrl.engines.chat_template import render_chat
+from clawrl.engines.model_defaults import end_of_turn_ids
 from clawrl.envs.base import Env, EnvError, Observation, StepOutcome, Task
 from clawrl.judges.base import Judge, JudgeInput, message_text
 
@@ -368,10 +369,10 @@ class _Rollout:
         return rendered[at + len(_MARK):]
 
     def _stop_ids(self) -> set[int]:
-        """Ids that end a reply rather than belong to it: eos, pad, and the special tokens the
-        template closes an assistant message with (``<|im_end|>``)."""
+        """Ids that end a reply rather than belong to it: the model's end-of-turn tokens, and the
+        special tokens the template closes an assistant message with (``<|im_end|>``)."""
         tok = self.tokenizer
-        stops = {i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None}
+        stops = set(end_of_turn_ids(tok))
         special = set(tok.all_special_ids)
         for i in self._ids(self._after_reply(None)):
             if i not in special:

@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect
 from clawrl.config import ClawrlConfig
 from clawrl.engines.base import ContextLengthExceeded, Engine, EngineError, SamplingParams, TokenChunk
 from clawrl.engines.chat_template import renders_tools
+from clawrl.engines.model_defaults import sampling_defaults
 from clawrl.gateway import openapi
 from clawrl.gateway.auth import AdminGuard, key_rings
 from clawrl.gateway.origin import BrowserPolicy, host_name
@@ -161,6 +162,8 @@ class Gateway:
         # RENDER_THREADS at once, so huge requests neither stall the event loop nor take every thread.
         self.render_limiter = anyio.CapacityLimiter(RENDER_THREADS)
         self.rate_limits = RateLimiter(cfg.server.rate_limit, self.api_keys.keys)
+        self.defaults = sampling_defaults(info.path, cfg.server.default_temperature)
+        log.info("sampling defaults for requests that send none: %s", self.defaults.describe())
         # a full disk's stretch of 507s: one warning when the store starts refusing, one line when it writes again
         self.store_refusals = Backoff("the turn store", "chat requests get 507 and nothing of them is stored",
                                       first_s=0)
@@ -179,11 +182,15 @@ class Gateway:
         return f"clawrl-w{self.engine.model_info().weight_version}"
 
     def sampling(self, req: ChatRequest, prompt_len: int) -> SamplingParams:
-        """max_tokens is clamped to the context left after the prompt (finish_reason "length")."""
+        """max_tokens is clamped to the context left after the prompt (finish_reason "length"); a
+        sampling field the request leaves out takes the model's default (``self.defaults``)."""
         wanted = req.max_tokens or self.cfg.server.default_max_tokens
+        d = self.defaults
         return SamplingParams(
-            max_new_tokens=min(wanted, self.max_context - prompt_len), temperature=req.temperature,
-            top_p=req.top_p, top_k=req.top_k, stop=req.stop, seed=req.seed, top_logprobs=req.top_logprobs,
+            max_new_tokens=min(wanted, self.max_context - prompt_len),
+            temperature=d.temperature if req.temperature is None else req.temperature,
+            top_p=d.top_p if req.top_p is None else req.top_p, top_k=d.top_k if req.top_k is None else req.top_k,
+            stop=req.stop, seed=req.seed, top_logprobs=req.top_logprobs,
         )
 
 
@@ -581,7 +588,7 @@ def create_app(cfg: ClawrlConfig, engine: Engine, linker: SessionLinker) -> Fast
     async def chat_completions(request: Request):
         caller_key = gw.caller(request)
         body = await read_json(request, cfg.server.max_body_bytes)
-        req = parse_chat_request(body, cfg.server.default_temperature)
+        req = parse_chat_request(body)
         if req.model != gw.model_name:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{gw.model_name}'",
                            param="model", code="model_not_found")

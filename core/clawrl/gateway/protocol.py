@@ -71,9 +71,9 @@ class ToolChoice:
 class ChatRequest:
     model: str
     messages: list[dict]  # normalised: string content, developer -> system, parsed tool-call arguments
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None  # None (not sent): the model's default (``Gateway.sampling``)
+    top_p: float | None = None
+    top_k: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     n: int = 1
@@ -106,10 +106,10 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
-def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
+def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
     v = body.get(key)
     if v is None:
-        return default
+        return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise bad_request(f"'{key}' must be a number between {lo} and {hi}", param=key)
     return float(v)
@@ -280,8 +280,9 @@ def _stop(raw: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def parse_chat_request(body: dict, default_temperature: float = 1.0) -> ChatRequest:
-    """Validate a chat-completions body; raises ``ApiError`` (400) naming the offending ``param``."""
+def parse_chat_request(body: dict) -> ChatRequest:
+    """Validate a chat-completions body; raises ``ApiError`` (400) naming the offending ``param``.
+    A sampling field left out stays None: the gateway fills in the model's defaults."""
     for key, value in body.items():
         if key in SUPPORTED:
             continue
@@ -311,9 +312,9 @@ def parse_chat_request(body: dict, default_temperature: float = 1.0) -> ChatRequ
     return ChatRequest(
         model=model,
         messages=messages,
-        temperature=_number(body, "temperature", 0.0, 2.0, default_temperature),
-        top_p=_number(body, "top_p", 1e-6, 1.0, 1.0),
-        top_k=_int(body, "top_k", 0, MAX_TOKENS) or 0,
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 1e-6, 1.0),
+        top_k=_int(body, "top_k", 0, MAX_TOKENS),
         max_tokens=max_tokens,
         stop=_stop(body.get("stop")),
         n=n,

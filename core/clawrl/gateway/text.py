@@ -16,11 +16,13 @@ def hidden_special_ids(tokenizer) -> frozenset[int]:
 
     The tool-call tags are kept even when a tokenizer marks them special (the embedded one does;
     some HF models do too): they are how the parser finds a call, and dropping them would turn
-    every tool call into plain content.
+    every tool call into plain content. They are looked up among the added tokens, not by
+    ``convert_tokens_to_ids``: a vocabulary without them (SmolLM2's) answers with the unknown id,
+    which is its ``<|endoftext|>``.
     """
-    special = {i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
-    special |= set(tokenizer.all_special_ids)
-    return frozenset(special - {tokenizer.convert_tokens_to_ids(t) for t in (TOOL_OPEN, TOOL_CLOSE)})
+    added = tokenizer.added_tokens_decoder.items()
+    special = {i for i, tok in added if tok.special} | set(tokenizer.all_special_ids)
+    return frozenset(special - {i for i, tok in added if tok.content in (TOOL_OPEN, TOOL_CLOSE)})
 
 
 class IncrementalDecoder:
