@@ -7,7 +7,7 @@ GIL), and needs only httpx. Every conversation of the JSON file goes out at once
 request first, so the process's own warm-up (imports, the first connection) is not billed to the
 gateway. Prints one JSON line: the per-request rows and the wall time of the whole burst.
 
-    python benchmarks/gpu_serving_client.py URL MODEL CONVERSATIONS.json MAX_TOKENS
+    python benchmarks/gpu_serving_client.py URL MODEL CONVERSATIONS.json MAX_TOKENS [TEMPERATURE]
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import time
 import httpx
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> list:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0,
+async def one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
+              temperature: float = 1.0) -> list:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, tokens = None, 0
@@ -40,22 +41,22 @@ async def one(client: httpx.AsyncClient, url: str, model: str, messages: list[di
     return [first, time.perf_counter() - t0, tokens]
 
 
-async def burst(url: str, model: str, convs: list[list[dict]], max_tokens: int) -> dict:
+async def burst(url: str, model: str, convs: list[list[dict]], max_tokens: int, temperature: float) -> dict:
     limits = httpx.Limits(max_connections=len(convs) + 4, max_keepalive_connections=len(convs) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one(client, url, model, [{"role": "user", "content": "warm-up"}], 2)  # untimed
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(one(client, url, model, m, max_tokens) for m in convs))
+        rows = await asyncio.gather(*(one(client, url, model, m, max_tokens, temperature) for m in convs))
         return {"wall_s": time.perf_counter() - t0, "rows": rows}
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 4:
+    if len(argv) not in (4, 5):
         raise SystemExit(__doc__.strip().splitlines()[-1].strip())
-    url, model, path, max_tokens = argv
+    url, model, path, max_tokens, temperature = [*argv, "1.0"][:5]
     with open(path) as f:
         convs = json.load(f)
-    print(json.dumps(asyncio.run(burst(url, model, convs, int(max_tokens)))))
+    print(json.dumps(asyncio.run(burst(url, model, convs, int(max_tokens), float(temperature)))))
     return 0
 
 

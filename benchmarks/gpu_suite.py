@@ -389,13 +389,14 @@ def request_costs(gw, tok, reqs, prompts) -> dict:
             "link_record_ms": round(1000 * record / len(reqs), 2)}
 
 
-async def serve_http(eng: TorchEngine, url: str, model_name: str, convs_file: Path, new: int) -> dict:
+async def serve_http(eng: TorchEngine, url: str, model_name: str, convs_file: Path, new: int,
+                     temperature: float) -> dict:
     """The same chats as streamed chat completions from the client process."""
     await eng.flush_cache()
     cpu = time.process_time()
     with LoopLag() as lag:
         proc = await asyncio.create_subprocess_exec(sys.executable, str(CLIENT), url, model_name, str(convs_file),
-                                                    str(new), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                                    str(new), str(temperature), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = await proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"the serving client failed: {err.decode()[-1000:]}")
@@ -443,7 +444,7 @@ async def run_serving(model, lm, args, streams, prompt_len, new, repeat, tempera
             direct, http, generate = [], [], []
             for _ in range(repeat):
                 direct.append(await serve_direct(eng, prompts, params))
-                http.append(await serve_http(eng, url, gw.model_name, convs_file, new))
+                http.append(await serve_http(eng, url, gw.model_name, convs_file, new, temperature))
                 generate.append(await serve_generate(eng, prompts, params))
             for d in direct + http:  # a real model stops at its own end of turn: greedy, the same ones each run
                 expected = n * new if lm.tokenizer is None else direct[0]["tokens"]
