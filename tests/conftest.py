@@ -1,4 +1,6 @@
 """Fixtures shared across the test suite."""
+import logging
+
 import pytest
 
 # Task directories under fixtures/ carry their own tests (a Terminal-Bench task's tests/test_outputs.py):
@@ -27,3 +29,25 @@ def smollm2_dir():
 
     assert main(["model", "get", "smollm2-135m-instruct"]) == 0
     return installed_dir("smollm2-135m-instruct")
+
+
+@pytest.fixture(autouse=True)
+def _logging_left_as_found():
+    """A test that runs a CLI (setup_logging) leaves clawrl's logger at its level; put levels, filters and
+    clawrl's own root handlers back, so a later test's caplog sees the INFO lines it waits for."""
+    from clawrl.logs import _CONSOLE, _FILE, LIBRARY_LOGGERS
+
+    for name in ("clawrl", *LIBRARY_LOGGERS):
+        logging.getLogger(name)  # exists from here on, so its level is saved and put back
+
+    saved = {n: (lg.level, list(lg.filters)) for n, lg in [("", logging.root), *logging.root.manager.loggerDict.items()]
+             if isinstance(lg, logging.Logger)}
+    ours = [h for h in logging.root.handlers if h.get_name() in (_CONSOLE, _FILE)]
+    yield
+    for handler in [h for h in logging.root.handlers if h.get_name() in (_CONSOLE, _FILE) and h not in ours]:
+        logging.root.removeHandler(handler)
+        handler.close()
+    for name, logger in [("", logging.root), *logging.root.manager.loggerDict.items()]:
+        if name in saved:
+            logger.setLevel(saved[name][0])
+            logger.filters[:] = saved[name][1]
