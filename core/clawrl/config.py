@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
-from clawrl.models.catalog import ModelNameError, resolve_model_ref
+from clawrl.models.catalog import ModelNameError, known_defaults, resolve_model_ref
 
 
 class ConfigError(ValueError):
@@ -471,13 +471,18 @@ class LoggingConfig:
 class DemoConfig:
     user: str = option("worked", 'The simulated user\'s hidden preference: worked ("7 + 5 = 12") | bare (just a '
                        'number) | student (a bare number, natural corrections) | teacher (a friendly "Sure!" '
-                       'and the worked sum).', choices=("bare", "worked", "student", "teacher"))
+                       'and the worked sum); for a real model, everyday questions: concise (short replies, '
+                       'thumbs only) | opener (replies opening with "Sure!").',
+                       choices=("bare", "worked", "student", "teacher", "concise", "opener"))
     interactions: int = option(160, "Interactions with the simulated user: a question, the model's reply, the "
                                "user's feedback.", ge=1)
     eval_every: int = option(40, "Measure the preference-satisfaction rate before the first and after every N "
                              "interactions.", ge=1)
     eval_prompts: int = option(64, "Held-out questions per measurement.", ge=1)
     max_tokens: int = option(24, "Most tokens of a reply to a question.", ge=1)
+    temperature: Optional[float] = option(1.0, "Sampling temperature of the user's questions and the held-out "
+                                          "preference measure; null: send none (the server's default applies).",
+                                          ge=0)
 
 
 @dataclass(frozen=True)
@@ -696,12 +701,13 @@ def _suggest(key: str) -> str:
 
 def model_defaults_path(model_path: str | None) -> Path | None:
     """The per-model defaults layered for ``model.path``: ``<model.path>/clawrl.yaml`` when that file
-    exists, and for the embedded model (``model.path`` null) the package's ``conf/embedded.yaml``.
+    exists, else for a model ``clawrl model get`` installed the package's ``conf/models/NAME.yaml``, and
+    for the embedded model (``model.path`` null) the package's ``conf/embedded.yaml``.
     Only looks for a file: never loads, and never builds, a model."""
     if model_path is None:
         return EMBEDDED_DEFAULTS
     path = Path(model_path).expanduser() / MODEL_DEFAULTS_FILE
-    return path if path.is_file() else None
+    return path if path.is_file() else known_defaults(Path(model_path).expanduser())
 
 
 def _key_comments(path: Path) -> dict[str, str]:
@@ -738,7 +744,8 @@ def model_defaults_report(cfg: ClawrlConfig) -> str:
                 f"defaults apply wherever the recipe and the command line set nothing (train.lr={cfg.train.lr:g}, "
                 "sized for 1-8B models); a clawrl.yaml beside the model's config.json would set its own")
     why = ("model.path is null: the embedded tiny model's calibrated settings" if cfg.model.path is None
-           else f"{MODEL_DEFAULTS_FILE} in model.path")
+           else f"{MODEL_DEFAULTS_FILE} in model.path" if path.name == MODEL_DEFAULTS_FILE
+           else "clawrl's settings for this known model, measured on it")
     layer = _load_layer(path)
     comments = _key_comments(path)
     parts = []

